@@ -1,0 +1,27 @@
+# Quickstart targets. Without an active virtual environment, a local .venv is created.
+# torch==2.13.0 is installed first (CPU build) so nothing pulls a CUDA build.
+ifdef VIRTUAL_ENV
+PY := python
+else
+PY := .venv/bin/python
+endif
+
+.PHONY: setup demo test clean
+
+setup: .setup-stamp
+
+.setup-stamp: pyproject.toml
+	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch .setup-stamp
+
+demo: setup
+	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf .setup-stamp runs .pytest_cache

@@ -1,0 +1,72 @@
+"""YAML + `section.key=value` overrides -> typed `Config`, via OmegaConf structured configs.
+
+    cfg = load_config("configs/gpt_moe_tiny.yaml", ["parallel.tensor=2", "moe.top_k=1"])
+
+OmegaConf rejects unknown keys and values of the wrong type; its errors are turned into a one-line
+`ConfigError` naming the key. Overrides use OmegaConf's dotlist grammar (`moe.capacity_factor=null`,
+`data.path=[0.3,a,0.7,b]`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional, Sequence, Tuple
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.schema import Config
+
+
+def _one_line(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if key and str(key) not in msg:
+        return f"{key}: {msg}"
+    return msg
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+    """Merge defaults <- YAML file <- overrides and return a typed `Config` (a real dataclass)."""
+    base = OmegaConf.structured(Config)
+    try:
+        layers = [base]
+        if path is not None:
+            if not os.path.isfile(path):
+                raise ConfigError(f"--config {path}: no such file")
+            layers.append(OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # YAML syntax errors and the like
+        raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(to_yaml(cfg))
+
+
+def parse_cli(argv: Optional[List[str]] = None, description: str = "") -> Tuple[Optional[str], List[str]]:
+    """`--config FILE section.key=value ...` -> (path, overrides)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
+    args = parser.parse_args(argv)
+    return args.config, list(args.overrides)

@@ -1,0 +1,105 @@
+"""Combination checks that run before any process group exists (DESIGN.md §2).
+
+Each failure is a `ConfigError` whose one-line message names the key(s) and the rule, e.g.
+`parallel.expert=3 does not divide moe.num_experts=8`.
+"""
+from __future__ import annotations
+
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.schema import Config
+
+CHOICES = {
+    "model.normalization": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.position_embedding": ("learned", "rope"),
+    "training.precision": ("fp32", "bf16"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+}
+
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+    "model.seq_length", "model.vocab_size", "moe.num_experts", "moe.top_k", "moe.layer_freq",
+    "parallel.tensor", "parallel.expert", "parallel.expert_shard", "parallel.pipeline",
+    "training.micro_batch_size", "training.global_batch_size", "training.log_interval",
+)
+
+
+def _get(cfg: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _divides(a_key: str, a: int, b_key: str, b: int) -> None:
+    if b % a != 0:
+        raise ConfigError(f"{a_key}={a} does not divide {b_key}={b}")
+
+
+def expert_ffn_hidden_size(cfg: Config) -> int:
+    return cfg.moe.expert_ffn_hidden_size or cfg.model.ffn_hidden_size
+
+
+def validate_config(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError for the first rule `cfg` breaks on `world_size` processes."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
+    m, moe, par, tr, opt = cfg.model, cfg.moe, cfg.parallel, cfg.training, cfg.optimizer
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"moe.capacity_factor={moe.capacity_factor} must be > 0 (or null for dropless)")
+    if moe.expert_ffn_hidden_size is not None and moe.expert_ffn_hidden_size < 1:
+        raise ConfigError(f"moe.expert_ffn_hidden_size={moe.expert_ffn_hidden_size} must be >= 1 or null")
+    _check_registries(cfg)
+
+    if par.pipeline != 1:
+        raise ConfigError(f"parallel.pipeline={par.pipeline}: pipeline parallelism is not supported yet; use 1")
+    if world_size % (par.tensor * par.pipeline) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor*parallel.pipeline="
+            f"{par.tensor}*{par.pipeline}")
+    stage_size = world_size // par.pipeline
+    _divides("parallel.expert", par.expert, "moe.num_experts", moe.num_experts)
+    if stage_size % (par.expert * par.expert_shard) != 0:
+        raise ConfigError(
+            f"parallel.expert*parallel.expert_shard={par.expert}*{par.expert_shard} does not divide the "
+            f"{stage_size} ranks of a pipeline stage (world size {world_size} / parallel.pipeline)")
+    _divides("parallel.tensor", par.tensor, "model.num_attention_heads", m.num_attention_heads)
+    _divides("model.num_attention_heads", m.num_attention_heads, "model.hidden_size", m.hidden_size)
+    if m.position_embedding == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError("model.position_embedding=rope needs an even head dimension "
+                          "(model.hidden_size / model.num_attention_heads)")
+    _divides("parallel.tensor", par.tensor, "model.ffn_hidden_size", m.ffn_hidden_size)
+    ffn_key = "moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
+    _divides("parallel.expert_shard", par.expert_shard, ffn_key, expert_ffn_hidden_size(cfg))
+
+    dp = stage_size // par.tensor
+    if tr.global_batch_size % (tr.micro_batch_size * dp) != 0:
+        raise ConfigError(
+            f"training.global_batch_size={tr.global_batch_size} is not divisible by "
+            f"training.micro_batch_size*data_parallel={tr.micro_batch_size}*{dp}")
+    if tr.train_iters < 0 or tr.eval_interval < 0 or tr.eval_iters < 0:
+        raise ConfigError("training.train_iters, training.eval_interval and training.eval_iters must be >= 0")
+    if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr={opt.min_lr} and optimizer.lr={opt.lr} need 0 <= min_lr <= lr, lr > 0")
+    if opt.warmup_iters < 0 or opt.clip_grad < 0 or opt.weight_decay < 0:
+        raise ConfigError("optimizer.warmup_iters, optimizer.clip_grad and optimizer.weight_decay must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(opt, key) < 1.0:
+            raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in [0, 1)")
+
+
+def _check_registries(cfg: Config) -> None:
+    """Pluggable names must be registered (importing the packages registers their entries)."""
+    from megatron_moe.moe.balancers import BALANCERS
+    from megatron_moe.moe.schedules import SCHEDULES
+    from megatron_moe.training.lr import LR_SCHEDULES
+
+    SCHEDULES.get(cfg.moe.schedule)
+    BALANCERS.get(cfg.moe.balancer)
+    LR_SCHEDULES.get(cfg.optimizer.lr_schedule)

@@ -1,0 +1,1 @@
+"""Process groups (ParallelState), collectives with byte accounting, launch."""

@@ -1,0 +1,280 @@
+"""The only module that calls torch.distributed (DESIGN.md §6). Counts bytes and time per op kind.
+
+Every op takes a `Group` from `ParallelState` and is a no-op (no bytes counted) on a group of
+size 1. Byte counts use Parm's notation for a collective's message size x (Parm §IV, Eq. 1):
+
+    all_reduce      x = bytes of the tensor
+    all_gather      x = bytes of the gathered output (all ranks' pieces)
+    reduce_scatter  x = bytes of the input (before scattering)
+    all_to_all      x = bytes of this rank's input (all splits, including the one it keeps)
+    broadcast/send/recv: bytes of the tensor
+
+Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
+`COMM_STATS.snapshot()` returns them, `COMM_STATS.reset()` clears them. Differentiable wrappers
+(`all_to_all_v_autograd`, ...) count their backward communication too.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe.distributed.parallel_state import Group
+
+
+class CommStats:
+    """Bytes and seconds per "<kind>/<group>" in this process."""
+
+    def __init__(self):
+        self.bytes: Dict[str, int] = defaultdict(int)
+        self.seconds: Dict[str, float] = defaultdict(float)
+        self.calls: Dict[str, int] = defaultdict(int)
+
+    def record(self, kind: str, group: Group, nbytes: int, seconds: float) -> None:
+        key = f"{kind}/{group.name}"
+        self.bytes[key] += int(nbytes)
+        self.seconds[key] += seconds
+        self.calls[key] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.seconds.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> Dict[str, int]:
+        return dict(self.bytes)
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def bytes_by_kind(self) -> Dict[str, int]:
+        """Bytes summed over groups: {"all_to_all": ..., "all_gather": ...}."""
+        out: Dict[str, int] = defaultdict(int)
+        for key, n in self.bytes.items():
+            out[key.split("/")[0]] += n
+        return dict(out)
+
+
+COMM_STATS = CommStats()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextmanager
+def _timed(kind: str, group: Group, nbytes: int):
+    start = time.perf_counter()
+    yield
+    COMM_STATS.record(kind, group, nbytes, time.perf_counter() - start)
+
+
+# ---- process-group management ---------------------------------------------------------------
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(backend: str, rank: int, world_size: int, init_method: str = "env://",
+                       timeout_s: float = 600.0) -> None:
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def new_group(ranks: Sequence[int]):
+    return dist.new_group(ranks=list(ranks))
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.handle)
+
+
+# ---- raw collectives (no autograd) -------------------------------------------------------------
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce; returns `t`. `op`: sum | max | min."""
+    if group.size == 1:
+        return t
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    with _timed("all_reduce", group, _nbytes(t)):
+        dist.all_reduce(t, op=reduce_op, group=group.handle)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from every rank of `group` along `dim` (rank order)."""
+    if group.size == 1:
+        return t
+    t = t.contiguous()
+    pieces = [torch.empty_like(t) for _ in range(group.size)]
+    with _timed("all_gather", group, _nbytes(t) * group.size):
+        dist.all_gather(pieces, t, group=group.handle)
+    return torch.cat(pieces, dim=dim)
+
+
+def all_gather_sizes(n: int, group: Group) -> List[int]:
+    """Every rank's integer `n` (e.g. a token count), in rank order. Counted as all_gather bytes."""
+    if group.size == 1:
+        return [n]
+    return all_gather(torch.tensor([n], dtype=torch.int64), group).tolist()
+
+
+def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """Concatenate tensors whose dim-0 sizes differ per rank. `sizes` (every rank's dim 0) may be
+    given when already known; otherwise it is exchanged first. Counts the unpadded payload."""
+    if group.size == 1:
+        return t
+    if sizes is None:
+        sizes = all_gather_sizes(t.shape[0], group)
+    row_bytes = t.element_size() * math.prod(t.shape[1:])
+    padded = max(sizes)
+    buf = t.new_zeros((padded,) + tuple(t.shape[1:]))
+    buf[: t.shape[0]] = t
+    pieces = [torch.empty_like(buf) for _ in range(group.size)]
+    with _timed("all_gather", group, row_bytes * sum(sizes)):
+        dist.all_gather(pieces, buf, group=group.handle)
+    return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's equal slice along `dim`."""
+    if group.size == 1:
+        return t
+    chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
+    out = torch.empty_like(chunks[group.rank])
+    with _timed("reduce_scatter", group, _nbytes(t)):
+        if dist.get_backend(group.handle) == "gloo":
+            # gloo has no reduce_scatter: all_reduce, then slice (same result, same counted payload)
+            full = t.contiguous().clone()
+            dist.all_reduce(full, group=group.handle)
+            out = full.chunk(group.size, dim=dim)[group.rank].contiguous()
+        else:
+            dist.reduce_scatter(out, chunks, group=group.handle)
+    return out
+
+
+def all_to_all_v(t: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,
+                 kind: str = "all_to_all") -> torch.Tensor:
+    """Send rows `send_splits[i]` of `t` (dim 0, in order) to rank i of `group`; receive
+    `recv_splits[i]` rows from rank i. `kind` lets a caller label the traffic (counted bytes)."""
+    if group.size == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
+    with _timed(kind, group, _nbytes(t)):
+        dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=group.handle)
+    return out
+
+
+def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-to-all of per-destination counts: `send_counts[i]` (a row of ints) goes to rank i.
+    Returns [group.size, ...] counts received from each rank."""
+    if group.size == 1:
+        return send_counts.clone()
+    rows = send_counts.shape[0]
+    assert rows == group.size
+    flat = send_counts.reshape(rows, -1).to(torch.int64)
+    width = flat.shape[1]
+    out = all_to_all_v(flat.reshape(-1), [width] * rows, [width] * rows, group, kind="all_to_all_counts")
+    return out.reshape(send_counts.shape).to(send_counts.dtype)
+
+
+def broadcast(t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
+    """In-place broadcast from rank `src_index` of `group`."""
+    if group.size == 1:
+        return t
+    with _timed("broadcast", group, _nbytes(t)):
+        dist.broadcast(t, src=group.global_rank(src_index), group=group.handle)
+    return t
+
+
+def isend(t: torch.Tensor, dst_index: int, group: Group):
+    COMM_STATS.record("send", group, _nbytes(t), 0.0)
+    return dist.isend(t.contiguous(), dst=group.global_rank(dst_index), group=group.handle)
+
+
+def irecv(t: torch.Tensor, src_index: int, group: Group):
+    return dist.irecv(t, src=group.global_rank(src_index), group=group.handle)
+
+
+# ---- differentiable wrappers --------------------------------------------------------------------
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, kind):
+        ctx.save = (send_splits, recv_splits, group, kind)
+        return all_to_all_v(x, send_splits, recv_splits, group, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits, group, kind = ctx.save
+        return all_to_all_v(grad, recv_splits, send_splits, group, kind), None, None, None, None
+
+
+def all_to_all_v_autograd(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,
+                          kind: str = "all_to_all") -> torch.Tensor:
+    """all_to_all_v whose backward is the reverse all_to_all_v."""
+    if group.size == 1:
+        return x
+    return _AllToAllV.apply(x, list(send_splits), list(recv_splits), group, kind)
+
+
+class _AllGatherV(torch.autograd.Function):
+    """y (same on every rank) = cat_r x_r  =>  dx_r = sum over ranks s of dy_s[rows of r]."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.save = (group, sizes)
+        return all_gather_v(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, sizes = ctx.save
+        # reduce-scatter-v: send rows of rank i to rank i, sum what arrives
+        received = all_to_all_v(grad, sizes, [sizes[group.rank]] * group.size, group, kind="reduce_scatter")
+        dx = received.reshape((group.size, sizes[group.rank]) + tuple(grad.shape[1:])).sum(0)
+        return dx, None, None
+
+
+def all_gather_v_autograd(x: torch.Tensor, group: Group, sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """all_gather_v whose backward reduce-scatters (each rank's copy of the output is used
+    differently downstream, so the gradients of all copies are summed)."""
+    if group.size == 1:
+        return x
+    if sizes is None:
+        sizes = all_gather_sizes(x.shape[0], group)
+    return _AllGatherV.apply(x, group, list(sizes))
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y_r = sum_s x_s on every rank => dx_s = sum_r dy_r (another all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group), None
+
+
+def all_reduce_autograd(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over `group` with the mathematically complete backward (all-reduce of the gradients).
+    For Megatron's identity-backward all-reduce use `tensor_parallel.mappings`."""
+    if group.size == 1:
+        return x
+    return _AllReduceSum.apply(x, group)

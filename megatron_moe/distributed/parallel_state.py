@@ -1,0 +1,174 @@
+"""ParallelState: every process group and this rank's coordinates, built once, passed explicitly.
+
+No module-level globals (DESIGN.md §3). Two views of the same ranks, per pipeline stage:
+
+* dense view   ``dp x tp``          (tp fastest: tensor-parallel ranks are adjacent, inside a node)
+* expert view  ``edp x ep x esp``   (esp fastest)
+
+    rank = pp_rank * stage_size + local
+    local = dp_rank * tp + tp_rank                       (dense view)
+          = edp_rank * (ep * esp) + ep_rank * esp + esp_rank   (expert view)
+
+Groups: ``tp`` (same stage & dp rank), ``dp`` (same stage & tp rank), ``pp`` (same local rank),
+``esp`` (same stage, edp, ep), ``ep`` (same stage, edp, esp), ``ep_esp`` (same stage & edp: one full
+copy of every expert), ``edp`` (same stage, ep, esp: the replicas of one expert shard), ``world``.
+
+Worked example: world=8, tensor=2, expert=2, expert_shard=2 (pipeline=1, so dp=4, edp=2)::
+
+    rank        0  1  2  3  4  5  6  7
+    tp_rank     0  1  0  1  0  1  0  1      tp groups  {0,1} {2,3} {4,5} {6,7}
+    dp_rank     0  0  1  1  2  2  3  3      dp groups  {0,2,4,6} {1,3,5,7}
+    esp_rank    0  1  0  1  0  1  0  1      esp groups {0,1} {2,3} {4,5} {6,7}   (= tp: DeepSpeed-TED case)
+    ep_rank     0  0  1  1  0  0  1  1      ep groups  {0,2} {1,3} {4,6} {5,7}
+    edp_rank    0  0  0  0  1  1  1  1      ep_esp     {0,1,2,3} {4,5,6,7};  edp {0,4} {1,5} {2,6} {3,7}
+
+With expert=2 expert_shard=4 tensor=2 the esp group {0,1,2,3} spans two tp groups; with tensor=4
+expert=2 expert_shard=2 each esp group {0,1}, {2,3} lies inside the tp group {0,1,2,3}.
+Adding pipeline stages later only prepends ``pp_rank * stage_size``; nothing else changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+GROUP_NAMES = ("tp", "dp", "pp", "ep", "esp", "ep_esp", "edp", "world")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Pure rank arithmetic for (world, tp, pp, ep, esp); no process groups. Unit-testable."""
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    expert_shard: int = 1
+
+    def __post_init__(self):
+        assert self.world_size % (self.tensor * self.pipeline) == 0, "validate the config first"
+        assert self.stage_size % (self.expert * self.expert_shard) == 0, "validate the config first"
+
+    @property
+    def stage_size(self) -> int:
+        return self.world_size // self.pipeline
+
+    @property
+    def data_parallel(self) -> int:
+        return self.stage_size // self.tensor
+
+    @property
+    def expert_data_parallel(self) -> int:
+        return self.stage_size // (self.expert * self.expert_shard)
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        """This rank's index inside each group (tp_rank, dp_rank, ...), keyed by group name."""
+        pp, local = divmod(rank, self.stage_size)
+        dp, tp = divmod(local, self.tensor)
+        ep_esp = self.expert * self.expert_shard
+        edp, inner = divmod(local, ep_esp)
+        ep, esp = divmod(inner, self.expert_shard)
+        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "esp": esp, "ep_esp": inner, "edp": edp, "world": rank}
+
+    def groups(self, name: str) -> List[List[int]]:
+        """All groups of one kind, each a sorted rank list; together they partition the world."""
+        assert name in GROUP_NAMES, name
+        if name == "world":
+            return [list(range(self.world_size))]
+        key_of = {
+            "tp": lambda c: (c["pp"], c["dp"]),
+            "dp": lambda c: (c["pp"], c["tp"]),
+            "pp": lambda c: (c["dp"], c["tp"]),
+            "esp": lambda c: (c["pp"], c["edp"], c["ep"]),
+            "ep": lambda c: (c["pp"], c["edp"], c["esp"]),
+            "ep_esp": lambda c: (c["pp"], c["edp"]),
+            "edp": lambda c: (c["pp"], c["ep"], c["esp"]),
+        }[name]
+        buckets: Dict[Any, List[int]] = {}
+        for r in range(self.world_size):
+            buckets.setdefault(key_of(self.coords(r)), []).append(r)
+        return [buckets[k] for k in sorted(buckets)]
+
+    def group_of(self, name: str, rank: int) -> List[int]:
+        return next(g for g in self.groups(name) if rank in g)
+
+
+@dataclass
+class Group:
+    """One process group as this rank sees it. `handle` is the torch ProcessGroup (None if the
+    process group machinery is not initialized, e.g. single process)."""
+
+    name: str
+    ranks: List[int]
+    rank: int  # index of this process within `ranks`
+    handle: Optional[Any] = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+
+@dataclass
+class ParallelState:
+    layout: RankLayout
+    rank: int
+    groups: Dict[str, Group] = field(default_factory=dict)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def build(cls, layout: RankLayout, rank: int) -> "ParallelState":
+        """Create every group of every kind (all ranks call new_group in the same order, as
+        torch.distributed requires) and keep the ones this rank belongs to."""
+        from megatron_moe.distributed import collectives
+
+        state = cls(layout=layout, rank=rank)
+        distributed = collectives.is_initialized()
+        for name in GROUP_NAMES:
+            for ranks in layout.groups(name):
+                handle = collectives.new_group(ranks) if distributed else None
+                if rank in ranks:
+                    state.groups[name] = Group(name, ranks, ranks.index(rank), handle)
+        return state
+
+    @classmethod
+    def single_process(cls) -> "ParallelState":
+        return cls.build(RankLayout(world_size=1), rank=0)
+
+    # -- accessors ----------------------------------------------------------------------------
+    def __getattr__(self, item: str) -> Group:
+        # state.tp, state.ep_esp, ... (only for group names; everything else is a normal attribute)
+        groups = self.__dict__.get("groups", {})
+        if item in groups:
+            return groups[item]
+        raise AttributeError(item)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tensor
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.expert
+
+    @property
+    def esp_size(self) -> int:
+        return self.layout.expert_shard
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.expert_data_parallel
+
+    def describe(self) -> str:
+        c = self.layout.coords(self.rank)
+        return (f"rank {self.rank}/{self.world_size}: tp {c['tp']}/{self.tp_size} dp {c['dp']}/{self.dp_size} "
+                f"ep {c['ep']}/{self.ep_size} esp {c['esp']}/{self.esp_size} edp {c['edp']}/{self.edp_size}")

@@ -1,0 +1,6 @@
+"""Balancers: policies that turn token counts into a Placement (registry keyed by `moe.balancer`)."""
+from megatron_moe.registry import Registry
+
+BALANCERS = Registry("moe.balancer")
+
+from megatron_moe.moe.balancers import base  # noqa: E402,F401  (registers "none")

@@ -1,0 +1,71 @@
+"""Spawn N CPU processes (gloo) and run a test function in each (DESIGN.md §8).
+
+    results = run_distributed(4, _check_something, layout_kwargs=dict(tensor=2, expert=2), args=(...))
+
+`fn(state: ParallelState, *args)` must be a module-level function (spawned processes import it).
+Each worker sets `torch.set_num_threads(1)`, joins a file rendezvous, builds the ParallelState of
+the requested layout, and returns `fn`'s (picklable) result. Worker exceptions are re-raised in the
+parent with the worker's traceback; a hard timeout kills everything.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_moe.distributed import collectives
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+
+
+def _worker(rank, world_size, init_file, fn, layout_kwargs, args, results):
+    torch.set_num_threads(1)
+    try:
+        collectives.init_process_group("gloo", rank, world_size, init_method=f"file://{init_file}",
+                                       timeout_s=120)
+        state = ParallelState.build(RankLayout(world_size=world_size, **layout_kwargs), rank)
+        out = fn(state, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        collectives.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn: Callable, layout_kwargs: Optional[Dict[str, int]] = None,
+                    args: Tuple = (), timeout: float = 240.0) -> List[Any]:
+    """Run `fn(state, *args)` on `world_size` gloo processes; return results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, layout_kwargs or {}, args, results),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outputs: Dict[int, Any] = {}
+        errors: List[str] = []
+        try:
+            while len(outputs) + len(errors) < world_size:
+                try:
+                    rank, status, payload = results.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"distributed test timed out after {timeout}s "
+                                       f"({len(outputs)} of {world_size} ranks finished)") from None
+                if status == "ok":
+                    outputs[rank] = payload
+                else:
+                    errors.append(f"--- rank {rank} ---\n{payload}")
+                    break  # one failure is enough; the others may be stuck in a collective
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            raise RuntimeError("worker failed:\n" + "\n".join(errors))
+    return [outputs[r] for r in range(world_size)]

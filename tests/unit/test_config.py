@@ -1,0 +1,55 @@
+"""Config loading, overrides, type errors and combination rules (no process groups)."""
+import pytest
+
+from megatron_moe.config import ConfigError, load_config, to_yaml, validate_config
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  hidden_size: 32\nmoe:\n  num_experts: 8\n")
+    cfg = load_config(str(f), ["parallel.tensor=2", "moe.top_k=1", "moe.capacity_factor=1.5"])
+    assert cfg.model.hidden_size == 32 and cfg.moe.num_experts == 8
+    assert cfg.parallel.tensor == 2 and cfg.moe.top_k == 1 and cfg.moe.capacity_factor == 1.5
+    assert load_config(None, ["moe.capacity_factor=null"]).moe.capacity_factor is None
+    assert "hidden_size: 32" in to_yaml(cfg)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.hiden_size=3"], "hiden_size"),
+    (["nosection.x=1"], "nosection"),
+    (["model.hidden_size=abc"], "model.hidden_size"),
+    (["parallel.tensor"], "section.key=value"),
+])
+def test_unknown_keys_and_wrong_types(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,world,needles", [
+    (["parallel.expert=3", "moe.num_experts=8"], 3, ["parallel.expert=3", "moe.num_experts=8"]),
+    (["parallel.tensor=3"], 4, ["parallel.tensor"]),
+    (["parallel.expert=2", "parallel.expert_shard=4", "moe.num_experts=4"], 4, ["parallel.expert_shard"]),
+    (["parallel.tensor=2", "model.num_attention_heads=3", "model.hidden_size=48"], 2, ["model.num_attention_heads"]),
+    (["parallel.expert_shard=2", "model.ffn_hidden_size=6", "moe.expert_ffn_hidden_size=5"], 2,
+     ["parallel.expert_shard", "moe.expert_ffn_hidden_size"]),
+    (["training.global_batch_size=6", "training.micro_batch_size=2"], 2, ["training.global_batch_size"]),
+    (["parallel.pipeline=2"], 2, ["parallel.pipeline"]),
+    (["moe.schedule=nope"], 1, ["moe.schedule", "baseline"]),
+    (["moe.top_k=5", "moe.num_experts=4"], 1, ["moe.top_k"]),
+    (["model.normalization=batchnorm"], 1, ["model.normalization"]),
+])
+def test_impossible_combinations(overrides, world, needles):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, world)
+    for n in needles:
+        assert n in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_valid_layouts_pass():
+    for world, ov in [(1, []), (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
+                      (8, ["parallel.expert=4", "parallel.expert_shard=2"])]:
+        validate_config(load_config("configs/gpt_moe_tiny.yaml", ov), world)

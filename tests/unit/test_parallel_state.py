@@ -1,0 +1,63 @@
+"""Rank layout of ParallelState for several (world, tp, ep, esp), without spawning processes."""
+import pytest
+
+from megatron_moe.distributed.parallel_state import GROUP_NAMES, RankLayout
+
+
+def test_worked_example_world8_tp2_ep2_esp2():
+    lay = RankLayout(world_size=8, tensor=2, expert=2, expert_shard=2)
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.groups("esp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("ep_esp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("pp") == [[r] for r in range(8)]
+    assert lay.data_parallel == 4 and lay.expert_data_parallel == 2
+
+
+def test_esp_spans_two_tp_groups():
+    lay = RankLayout(world_size=8, tensor=2, expert=2, expert_shard=4)
+    assert lay.groups("esp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.groups("ep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("edp") == [[r] for r in range(8)]
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_esp_inside_tp_group():
+    lay = RankLayout(world_size=8, tensor=4, expert=2, expert_shard=2)
+    assert lay.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.groups("esp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_only_with_data_parallel():
+    lay = RankLayout(world_size=4, expert=2)
+    assert lay.groups("ep") == [[0, 1], [2, 3]]
+    assert lay.groups("edp") == [[0, 2], [1, 3]]
+    assert lay.groups("dp") == [[0, 1, 2, 3]]
+    assert lay.groups("esp") == [[r] for r in range(4)]
+
+
+@pytest.mark.parametrize("world,tp,ep,esp", [
+    (1, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (4, 1, 2, 2), (8, 2, 2, 2), (8, 1, 4, 2),
+    (8, 2, 4, 1), (8, 4, 2, 1), (8, 2, 2, 4), (8, 4, 2, 2), (16, 2, 4, 2), (16, 4, 2, 2),
+])
+def test_groups_partition_world_and_coords_agree(world, tp, ep, esp):
+    lay = RankLayout(world_size=world, tensor=tp, expert=ep, expert_shard=esp)
+    expected_size = {"tp": tp, "dp": world // tp, "pp": 1, "ep": ep, "esp": esp, "ep_esp": ep * esp,
+                     "edp": world // (ep * esp), "world": world}
+    for name in GROUP_NAMES:
+        groups = lay.groups(name)
+        assert sorted(r for g in groups for r in g) == list(range(world)), name
+        assert all(len(g) == expected_size[name] for g in groups), name
+        for g in groups:
+            # a rank's coordinate in the group equals its position in the rank list
+            assert [lay.coords(r)[name] for r in g] == list(range(len(g))), (name, g)
+    # ep_esp holds one copy of every expert: (ep, esp) pairs are all distinct in it
+    for g in lay.groups("ep_esp"):
+        assert len({(lay.coords(r)["ep"], lay.coords(r)["esp"]) for r in g}) == ep * esp
+    # tp is the fastest dense index; esp the fastest expert index
+    assert lay.coords(1)["tp"] == (1 if tp > 1 else 0)
+    assert lay.coords(1)["esp"] == (1 if esp > 1 else 0)
