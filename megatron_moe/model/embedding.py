@@ -1,0 +1,31 @@
+"""Input embedding: vocab-parallel word embedding + learned absolute positions (GPT-2), then dropout.
+
+tokens `[b, s]` (replicated across TP) -> hidden `[b, s, h]` (replicated across TP). With rotary
+positions (`model.position_embedding: rope`) there is no position table; attention rotates q/k.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_moe.config.schema import ModelConfig
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel import Dropout, DropoutRNG, VocabParallelEmbedding
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG):
+        super().__init__()
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, state, std=cfg.init_std)
+        self.position = None
+        if cfg.position_embedding == "learned":
+            self.position = make_param(ParamMeta("dense", (cfg.seq_length, cfg.hidden_size), std=cfg.init_std), state)
+        self.dropout = Dropout(cfg.dropout, rng, "replicated")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word(tokens)  # [b, s, h]
+        if self.position is not None:
+            if tokens.shape[1] > self.position.shape[0]:
+                raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={self.position.shape[0]}")
+            x = x + self.position[: tokens.shape[1]]
+        return self.dropout(x)

@@ -1,0 +1,63 @@
+"""Pre-norm transformer layer (GPT-2, Radford et al. 2019 §2.3) whose FFN is dense or MoE.
+
+    x = x + dropout(attention(norm_1(x)))
+    x = x + dropout(ffn(norm_2(x)))        ffn = MoELayer iff (layer_index + 1) % moe.layer_freq == 0
+
+Hidden states `[b, s, h]` are replicated across TP between sublayers (Megatron without sequence
+parallelism); residual dropout therefore uses the TP-replicated generator.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_moe.config.schema import Config, ModelConfig
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.attention import SelfAttention
+from megatron_moe.model.mlp import MLP
+from megatron_moe.model.norm import build_norm
+from megatron_moe.tensor_parallel import Dropout, DropoutRNG
+
+
+def is_moe_layer(layer_index: int, layer_freq: int) -> bool:
+    """Every `layer_freq`-th layer (1-based) has an MoE FFN: freq 1 = all, 2 = layers 1, 3, 5, ..."""
+    return (layer_index + 1) % layer_freq == 0
+
+
+def residual_output_std(cfg: ModelConfig) -> float:
+    """Init std of projections that write into the residual stream: GPT-2 §2.3 scales them by
+    1/sqrt(number of residual layers) = 1/sqrt(2 * num_layers) (Megatron's scaled_init_method)."""
+    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+
+
+class TransformerLayer(torch.nn.Module):
+    def __init__(self, cfg: Config, state: ParallelState, layer_index: int, rng: DropoutRNG, *,
+                 causal: bool = True):
+        super().__init__()
+        m = cfg.model
+        output_std = residual_output_std(m)
+        self.attention_norm = build_norm(m, state)
+        self.attention = SelfAttention(m, state, rng, output_std=output_std, causal=causal)
+        self.ffn_norm = build_norm(m, state)
+        self.is_moe = is_moe_layer(layer_index, cfg.moe.layer_freq)
+        if self.is_moe:
+            from megatron_moe.moe.layer import MoELayer  # lazy: the MoE package builds on the model package
+
+            self.ffn = MoELayer(cfg, state, layer_index)
+        else:
+            self.ffn = MLP(m, state, output_std=output_std)
+        self.residual_dropout = Dropout(m.dropout, rng, "replicated")
+
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x `[b, s, h]` -> (`[b, s, h]`, the MoE layer's aux loss scalar or None for a dense FFN)."""
+        x = x + self.residual_dropout(self.attention(self.attention_norm(x), padding_mask))
+        h = self.ffn_norm(x)
+        aux_loss = None
+        if self.is_moe:
+            y, aux_loss = self.ffn(h)
+        else:
+            y = self.ffn(h)
+        return x + self.residual_dropout(y), aux_loss

@@ -1,0 +1,91 @@
+"""Tensor-parallel layers (Megatron-LM §3): column- and row-parallel linear, vocab-parallel embedding.
+
+Every parameter is created by `make_param` with a `ParamMeta` that states its global shape and
+sharding, so `init_model_from_seed_` gives the same full weights on any tensor degree. Weights use
+torch's [out, in] convention. Inputs are batch-first, `[..., features]`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
+                                                   reduce_from_tp_region, scatter_to_tp_region)
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rounded up to a multiple of the tensor degree (rows past `vocab_size` are zeros)."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """y = x W^T + b with W [out, in] split on `out` across TP: Y = [Y_1 .. Y_tp] (Megatron Eq. 3).
+
+    Input `[..., in]` replicated across TP; output `[..., out/tp]` (or `[..., out]` on every rank
+    with `gather_output`). `valid_rows` marks zero padding rows of W (padded vocabulary).
+    """
+
+    def __init__(self, in_features: int, out_features: int, state: ParallelState, *, bias: bool = True,
+                 std: float = 0.02, gather_output: bool = False, valid_rows: Optional[int] = None):
+        super().__init__()
+        self.group, self.gather_output = state.tp, gather_output
+        self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(0, "tp")], std=std,
+                                           valid_rows=valid_rows), state)
+        self.bias = make_param(ParamMeta("dense", (out_features,), [(0, "tp")], init="zeros"), state) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # [..., out/tp]
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y = x W^T + b with W [out, in] split on `in` across TP: Y = sum_i X_i W_i^T (Megatron Eq. 3).
+
+    Input `[..., in/tp]` (or `[..., in]` replicated, scattered here when `input_is_parallel=False`);
+    output `[..., out]` all-reduced, identical on every TP rank. The bias is replicated and added
+    once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, state: ParallelState, *, bias: bool = True,
+                 std: float = 0.02, input_is_parallel: bool = True):
+        super().__init__()
+        self.group, self.input_is_parallel = state.tp, input_is_parallel
+        self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(1, "tp")], std=std), state)
+        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros"), state) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)  # [..., in/tp]
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)  # [..., out]
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table [V_padded, h] split on the vocabulary across TP (Megatron-LM §3).
+
+    Each rank looks up the tokens in its row range [start, start + V_padded/tp), zeros the others,
+    and the partial embeddings are all-reduced. Tokens `[b, s]` replicated -> `[b, s, h]` replicated.
+    Rows `num_embeddings..V_padded` are zero padding (`valid_rows`).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, state: ParallelState, *, std: float = 0.02):
+        super().__init__()
+        self.group = state.tp
+        self.num_embeddings = num_embeddings
+        padded = padded_vocab_size(num_embeddings, state.tp_size)
+        self.weight = make_param(ParamMeta("dense", (padded, embedding_dim), [(0, "tp")], std=std,
+                                           valid_rows=num_embeddings), state)
+        self.vocab_start = self.weight.meta.offsets(state)[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # [b, s]
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h]
+        return reduce_from_tp_region(partial, self.group)

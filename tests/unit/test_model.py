@@ -1,0 +1,224 @@
+"""The GPT model on one process against an independent functional implementation, plus the
+pieces around it: loss mask, causality, padded-vocabulary cross-entropy, bf16, attention masks,
+the dropout RNG scheme and which layers are MoE."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.model.attention import SelfAttention
+from megatron_moe.model.gpt import GPTMoEModel
+from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.model.transformer import is_moe_layer
+from megatron_moe.tensor_parallel import DropoutRNG, vocab_parallel_cross_entropy
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+GPT2 = dict(normalization="layernorm", activation="gelu", position_embedding="learned", bias=True, tie_embeddings=True)
+MIXTRAL = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
+               tie_embeddings=False)
+SINGLE = ParallelState.single_process()
+
+
+def _config(flavour, dropout=0.0):
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size = 2, 32, 48
+    cfg.model.num_attention_heads, cfg.model.seq_length, cfg.model.vocab_size = 4, 12, 50
+    cfg.model.dropout = dropout
+    for key, value in flavour.items():
+        setattr(cfg.model, key, value)
+    cfg.moe.layer_freq = 3  # no MoE layer among 2
+    return cfg
+
+
+def _reference_logits(model, cfg, tokens):
+    """Plain-tensor GPT forward from the model's weights: full logits [b, s, V]."""
+    m, P = cfg.model, dict(model.named_parameters())
+    b, s = tokens.shape
+    heads, d = m.num_attention_heads, m.hidden_size // m.num_attention_heads
+
+    def norm(x, name):
+        if m.normalization == "layernorm":
+            mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+            y = (x - mu) / torch.sqrt(var + m.norm_eps) * P[name + ".weight"]
+            return y + P[name + ".bias"] if m.bias else y
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + m.norm_eps) * P[name + ".weight"]
+
+    def linear(x, name):
+        y = x @ P[name + ".weight"].T
+        return y + P[name + ".bias"] if m.bias else y
+
+    def rope(x):  # pairs (i, i + d/2) as complex numbers rotated by pos * theta^(-2i/d)
+        freqs = m.rope_theta ** (-torch.arange(0, d, 2).float() / d)
+        z = torch.complex(x[..., : d // 2], x[..., d // 2:]) * torch.polar(
+            torch.ones(s, d // 2), torch.arange(s).float()[:, None] * freqs)
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    x = P["embedding.word.weight"][tokens]
+    if m.position_embedding == "learned":
+        x = x + P["embedding.position"][:s]
+    causal = torch.ones(s, s).tril().bool()
+    for i in range(m.num_layers):
+        pre = f"layers.{i}."
+        qkv = linear(norm(x, pre + "attention_norm"), pre + "attention.qkv").view(b, s, heads, 3, d)
+        q, k, v = (qkv[:, :, :, j].transpose(1, 2) for j in range(3))  # [b, heads, s, d]
+        if m.position_embedding == "rope":
+            q, k = rope(q), rope(k)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, float("-inf"))
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + linear(context, pre + "attention.proj")
+        u = linear(norm(x, pre + "ffn_norm"), pre + "ffn.fc1")
+        if m.activation == "swiglu":
+            u = u[..., 0::2] * torch.sigmoid(u[..., 0::2]) * u[..., 1::2]
+        else:
+            u = 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+        x = x + linear(u, pre + "ffn.fc2")
+    out = P["embedding.word.weight"] if m.tie_embeddings else P["output.weight"]
+    return norm(x, "final_norm") @ out.T
+
+
+def _batch(cfg, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_length), generator=gen)
+    labels = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_length), generator=gen)
+    return tokens, labels
+
+
+@pytest.mark.parametrize("flavour", [GPT2, MIXTRAL], ids=["gpt2", "mixtral"])
+def test_gpt_matches_functional_reference(flavour):
+    cfg = _config(flavour)
+    model = GPTMoEModel(cfg, SINGLE)
+    tokens, labels = _batch(cfg)
+    ref_logits = _reference_logits(model, cfg, tokens)
+    assert_close(model.gather_logits(model(tokens).logits), ref_logits, **TOL)
+
+    loss_mask = (torch.arange(cfg.model.seq_length) % 3 != 0).float().expand(3, -1)
+    out = model(tokens, labels, loss_mask)
+    per_token = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="none")
+    expected = (per_token * loss_mask.flatten()).sum() / loss_mask.sum()
+    assert_close(out.lm_loss, expected, **TOL)
+    assert out.logits is None and out.aux_loss.item() == 0.0 and out.moe_stats == []
+    assert model.moe_layers() == []
+
+    # gradients of the loss through the model equal those through the reference
+    out.lm_loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected.backward()
+    for name, p in model.named_parameters():
+        assert_close(grads[name], p.grad, **TOL, msg=name)
+
+
+def test_init_follows_seed_and_std():
+    cfg = _config(GPT2)
+    a, b = GPTMoEModel(cfg, SINGLE), GPTMoEModel(cfg, SINGLE)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    params = dict(a.named_parameters())
+    assert torch.equal(params["layers.0.attention_norm.weight"], torch.ones(32))
+    assert not params["layers.0.ffn.fc1.bias"].any()
+    # GPT-2 residual projections use std / sqrt(2 * num_layers)
+    assert params["layers.1.ffn.fc2.weight"].meta.std == pytest.approx(0.02 / 2)
+    assert params["layers.1.ffn.fc2.weight"].std().item() == pytest.approx(0.01, rel=0.15)
+    cfg.training.seed += 1
+    assert not torch.equal(GPTMoEModel(cfg, SINGLE).embedding.word.weight, a.embedding.word.weight)
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    cfg = _config(MIXTRAL)
+    model = GPTMoEModel(cfg, SINGLE)
+    tokens, _ = _batch(cfg)
+    changed = tokens.clone()
+    changed[:, 7:] = (changed[:, 7:] + 1) % cfg.model.vocab_size
+    a, b = model(tokens).logits, model(changed).logits
+    assert_close(a[:, :7], b[:, :7], **TOL)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_cross_entropy_ignores_padded_vocab_and_runs_in_fp32():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 6, 10, generator=gen) * 4  # 8 real entries + 2 padding columns
+    labels = torch.randint(0, 8, (4, 6), generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype).detach().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(x, labels, SINGLE.tp, vocab_size=8)
+        assert loss.dtype == torch.float32
+        ref_x = x.detach().float().requires_grad_(True)
+        ref = F.cross_entropy(ref_x[..., :8].flatten(0, 1), labels.flatten(), reduction="none").view(4, 6)
+        assert_close(loss, ref, **TOL)
+        loss.sum().backward()
+        ref.sum().backward()
+        assert x.grad.dtype == dtype and not x.grad[..., 8:].any()
+        assert_close(x.grad.float(), ref_x.grad, **(TOL if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)))
+
+
+def test_bf16_autocast_loss_is_fp32_and_close():
+    cfg = _config(MIXTRAL)
+    model = GPTMoEModel(cfg, SINGLE)
+    tokens, labels = _batch(cfg)
+    ref = model(tokens, labels).lm_loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens, labels)
+    assert out.lm_loss.dtype == torch.float32
+    assert out.lm_loss.item() == pytest.approx(ref.item(), rel=2e-2)
+    out.lm_loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_padding_mask_and_dropout_path(causal):
+    cfg = _config(MIXTRAL)
+    attn = SelfAttention(cfg.model, SINGLE, DropoutRNG(0, SINGLE), output_std=0.02, causal=causal)
+    init_model_from_seed_(attn, 3, SINGLE)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(2))
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    out = attn(x, padding)
+    # keys at padded positions are ignored: changing them does not change the real tokens' outputs
+    x2 = x.clone()
+    x2[1, 4:] += 1.0
+    assert_close(attn(x2, padding)[:, :4], out[:, :4], **TOL)
+    assert_close(attn(x, None)[0], out[0], **TOL)  # unpadded sample = no mask
+    # the explicit-softmax path taken with dropout (p -> 0 keeps everything) equals SDPA
+    attn.attn_dropout.p = 1e-12
+    assert_close(attn.train()(x, padding), out, **TOL)
+
+
+def test_dropout_masks_shared_across_tp_and_distinct_elsewhere():
+    layout = RankLayout(world_size=4, tensor=2)  # tp groups {0,1} {2,3}, dp groups {0,2} {1,3}
+    rngs = [DropoutRNG(7, ParallelState.build(layout, rank)) for rank in range(4)]
+    masks = {region: [r.dropout(torch.ones(256), 0.5, region) for r in rngs] for region in ("replicated", "sharded")}
+    rep, shd = masks["replicated"], masks["sharded"]
+    assert torch.equal(rep[0], rep[1]) and torch.equal(rep[2], rep[3]) and not torch.equal(rep[0], rep[2])
+    assert len({tuple(m.tolist()) for m in shd}) == 4
+    assert set(rep[0].unique().tolist()) == {0.0, 2.0}
+    # the generator state round-trips (checkpoints)
+    saved = rngs[0].state_dict()
+    first = rngs[0].dropout(torch.ones(64), 0.5, "sharded")
+    rngs[0].load_state_dict(saved)
+    assert torch.equal(rngs[0].dropout(torch.ones(64), 0.5, "sharded"), first)
+
+
+def test_dropout_only_in_training():
+    cfg = _config(GPT2, dropout=0.3)
+    model = GPTMoEModel(cfg, SINGLE)
+    tokens, labels = _batch(cfg)
+    no_dropout = GPTMoEModel(_config(GPT2), SINGLE)
+    eval_loss = model.eval()(tokens, labels).lm_loss
+    assert torch.equal(eval_loss, no_dropout(tokens, labels).lm_loss)
+    model.train()
+    a, b = model(tokens, labels).lm_loss, model(tokens, labels).lm_loss
+    assert not torch.equal(a, b) and not torch.equal(a, eval_loss)
+
+
+def test_moe_layer_indices():
+    assert [i for i in range(6) if is_moe_layer(i, 1)] == [0, 1, 2, 3, 4, 5]
+    assert [i for i in range(6) if is_moe_layer(i, 2)] == [1, 3, 5]
+    assert [i for i in range(6) if is_moe_layer(i, 7)] == []
+
+
+def test_sequence_longer_than_positions_is_rejected():
+    cfg = _config(GPT2)
+    with pytest.raises(ValueError, match="model.seq_length"):
+        GPTMoEModel(cfg, SINGLE)(torch.zeros(1, cfg.model.seq_length + 1, dtype=torch.long))
