@@ -77,6 +77,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _divides("parallel.tensor", par.tensor, "model.ffn_hidden_size", m.ffn_hidden_size)
     ffn_key = "moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
     _divides("parallel.expert_shard", par.expert_shard, ffn_key, expert_ffn_hidden_size(cfg))
+    if m.bias:  # the experts' output bias b2 [E, h] is sharded over ESP along h (moe/experts.py)
+        _divides("parallel.expert_shard", par.expert_shard, "model.hidden_size", m.hidden_size)
 
     dp = stage_size // par.tensor
     if tr.global_batch_size % (tr.micro_batch_size * dp) != 0:

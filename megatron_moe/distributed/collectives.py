@@ -113,37 +113,47 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from every rank of `group` along `dim` (rank order)."""
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "all_gather") -> torch.Tensor:
+    """Concatenate equal-shaped tensors from every rank of `group` along `dim` (rank order).
+    `kind` lets a caller label the traffic (e.g. routing metadata apart from hidden states)."""
     if group.size == 1:
         return t
     t = t.contiguous()
     pieces = [torch.empty_like(t) for _ in range(group.size)]
-    with _timed("all_gather", group, _nbytes(t) * group.size):
+    with _timed(kind, group, _nbytes(t) * group.size):
         dist.all_gather(pieces, t, group=group.handle)
     return torch.cat(pieces, dim=dim)
 
 
-def all_gather_sizes(n: int, group: Group) -> List[int]:
-    """Every rank's integer `n` (e.g. a token count), in rank order. Counted as all_gather bytes."""
+def _backend_device(group: Group) -> torch.device:
+    """Where a tensor created here must live for `group`'s backend (NCCL: the current GPU)."""
+    if dist.get_backend(group.handle) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_sizes(n: int, group: Group, kind: str = "all_gather") -> List[int]:
+    """Every rank's integer `n` (e.g. a token count), in rank order. Counted as `kind` bytes."""
     if group.size == 1:
         return [n]
-    return all_gather(torch.tensor([n], dtype=torch.int64), group).tolist()
+    sizes = torch.tensor([n], dtype=torch.int64, device=_backend_device(group))
+    return all_gather(sizes, group, kind=kind).tolist()
 
 
-def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = None) -> torch.Tensor:
+def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = None,
+                 kind: str = "all_gather") -> torch.Tensor:
     """Concatenate tensors whose dim-0 sizes differ per rank. `sizes` (every rank's dim 0) may be
     given when already known; otherwise it is exchanged first. Counts the unpadded payload."""
     if group.size == 1:
         return t
     if sizes is None:
-        sizes = all_gather_sizes(t.shape[0], group)
+        sizes = all_gather_sizes(t.shape[0], group, kind)
     row_bytes = t.element_size() * math.prod(t.shape[1:])
     padded = max(sizes)
     buf = t.new_zeros((padded,) + tuple(t.shape[1:]))
     buf[: t.shape[0]] = t
     pieces = [torch.empty_like(buf) for _ in range(group.size)]
-    with _timed("all_gather", group, row_bytes * sum(sizes)):
+    with _timed(kind, group, row_bytes * sum(sizes)):
         dist.all_gather(pieces, buf, group=group.handle)
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
 
@@ -232,31 +242,65 @@ def all_to_all_v_autograd(x: torch.Tensor, send_splits: List[int], recv_splits: 
     return _AllToAllV.apply(x, list(send_splits), list(recv_splits), group, kind)
 
 
+def _own_rows(x: torch.Tensor, group: Group, sizes: List[int]) -> torch.Tensor:
+    start = sum(sizes[: group.rank])
+    return x[start: start + sizes[group.rank]]
+
+
 class _AllGatherV(torch.autograd.Function):
-    """y (same on every rank) = cat_r x_r  =>  dx_r = sum over ranks s of dy_s[rows of r]."""
+    """y (same on every rank) = cat_r x_r. Backward `reduce_scatter`: dx_r = sum over ranks s of
+    dy_s[rows of r] (each rank's copy of y is used differently downstream). Backward `split`:
+    dx_r = dy_r[rows of r] (every rank's dy is already the full gradient of its copy, e.g. after a
+    `split_v_autograd` whose backward all-gathers; Megatron's gather/split pair)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes, kind, backward):
+        ctx.save = (group, sizes, backward)
+        return all_gather_v(x, group, sizes, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, sizes, backward = ctx.save
+        if backward == "split":
+            return _own_rows(grad, group, sizes), None, None, None, None
+        # reduce-scatter-v: send rows of rank i to rank i, sum what arrives
+        received = all_to_all_v(grad, sizes, [sizes[group.rank]] * group.size, group, kind="reduce_scatter")
+        dx = received.reshape((group.size, sizes[group.rank]) + tuple(grad.shape[1:])).sum(0)
+        return dx, None, None, None, None
+
+
+def all_gather_v_autograd(x: torch.Tensor, group: Group, sizes: Optional[List[int]] = None,
+                          kind: str = "all_gather", backward: str = "reduce_scatter") -> torch.Tensor:
+    """all_gather_v whose backward reduce-scatters (default) or keeps this rank's rows (`split`)."""
+    assert backward in ("reduce_scatter", "split"), backward
+    if group.size == 1:
+        return x
+    if sizes is None:
+        sizes = all_gather_sizes(x.shape[0], group, kind)
+    return _AllGatherV.apply(x, group, list(sizes), kind, backward)
+
+
+class _SplitV(torch.autograd.Function):
+    """y_r = rows of rank r of x (x replicated over the group) => dx = cat_r dy_r (all-gather)."""
 
     @staticmethod
     def forward(ctx, x, group, sizes):
         ctx.save = (group, sizes)
-        return all_gather_v(x, group, sizes)
+        return _own_rows(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
         group, sizes = ctx.save
-        # reduce-scatter-v: send rows of rank i to rank i, sum what arrives
-        received = all_to_all_v(grad, sizes, [sizes[group.rank]] * group.size, group, kind="reduce_scatter")
-        dx = received.reshape((group.size, sizes[group.rank]) + tuple(grad.shape[1:])).sum(0)
-        return dx, None, None
+        return all_gather_v(grad.contiguous(), group, sizes), None, None
 
 
-def all_gather_v_autograd(x: torch.Tensor, group: Group, sizes: Optional[List[int]] = None) -> torch.Tensor:
-    """all_gather_v whose backward reduce-scatters (each rank's copy of the output is used
-    differently downstream, so the gradients of all copies are summed)."""
+def split_v_autograd(x: torch.Tensor, group: Group, sizes: List[int]) -> torch.Tensor:
+    """Keep this rank's `sizes[rank]` rows of a group-replicated `x` (no communication); the
+    backward all-gathers the rows' gradients (Parm §IV-A: ESP-Split costs an ESP-AllGather in
+    backpropagation)."""
     if group.size == 1:
         return x
-    if sizes is None:
-        sizes = all_gather_sizes(x.shape[0], group)
-    return _AllGatherV.apply(x, group, list(sizes))
+    return _SplitV.apply(x, group, list(sizes))
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -9,6 +9,7 @@ parent with the worker's traceback; a hard timeout kills everything.
 """
 from __future__ import annotations
 
+import io
 import os
 import queue
 import tempfile
@@ -29,7 +30,11 @@ def _worker(rank, world_size, init_file, fn, layout_kwargs, args, results):
                                        timeout_s=120)
         state = ParallelState.build(RankLayout(world_size=world_size, **layout_kwargs), rank)
         out = fn(state, *args)
-        results.put((rank, "ok", out))
+        # serialize here: tensors put on a Queue directly are shared by file descriptor and can
+        # vanish when the worker exits before the parent reads them
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,7 +62,7 @@ def run_distributed(world_size: int, fn: Callable, layout_kwargs: Optional[Dict[
                     raise TimeoutError(f"distributed test timed out after {timeout}s "
                                        f"({len(outputs)} of {world_size} ranks finished)") from None
                 if status == "ok":
-                    outputs[rank] = payload
+                    outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                 else:
                     errors.append(f"--- rank {rank} ---\n{payload}")
                     break  # one failure is enough; the others may be stuck in a collective

@@ -1,7 +1,36 @@
-"""Placeholder; replaced by the balancer base and the owner-only ("none") policy."""
+"""Balancer interface and the owner-only policy ("none") (DESIGN.md §4).
+
+A balancer is a policy: per-source token counts in, `Placement` out. It never moves tokens
+itself; the schedule executes whatever placement it returns, so FasterMoE shadowing, FlexMoE
+vExperts and Pro-Prophet plans plug in here without touching schedule code. One instance lives
+in each MoE layer, so a policy may keep per-layer history.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.moe.placement import Placement
+
+
+class Balancer(ABC):
+    def __init__(self, cfg: Config, state: ParallelState):
+        self.num_experts = cfg.moe.num_experts
+        self.ep_size = state.ep_size
+
+    @abstractmethod
+    def plan(self, counts: torch.Tensor) -> Placement:
+        """counts Long[S, E]: kept assignments of each of the schedule's sources per expert
+        (identical on every rank that executes the placement)."""
 
 
 @BALANCERS.register("none")
-class NoBalancer:
-    pass
+class OwnerOnly(Balancer):
+    """No balancing: each expert's tokens all go to its owner (the classic EP placement)."""
+
+    def plan(self, counts: torch.Tensor) -> Placement:
+        return Placement.owner_only(counts, self.ep_size)

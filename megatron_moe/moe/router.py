@@ -1,0 +1,116 @@
+"""Softmax top-k router (DESIGN.md §4): gate, top-k, capacity drops, load-balancing and z losses.
+
+* Gate: logits = x W_r^T with W_r [E, h] a dense parameter replicated across TP; logits, softmax
+  and losses run in fp32 even under bf16 autocast.
+* Top-k: k=1 is Switch (Fedus et al. 2021): the combine weight is the top-1 probability itself.
+  k>1 is GShard (Lepikhin et al. 2020): the k chosen probabilities are renormalized to sum to 1.
+  Renormalization happens before capacity drops, so a dropped assignment keeps its share of the
+  weight and contributes nothing (its token only passes through the residual connection).
+* Capacity (`moe.capacity_factor` = f, null = dropless): C = ceil(f * n * k / E) assignments per
+  expert for a data-parallel micro-batch of n tokens. Drops are by position, token-major: expert
+  e keeps the first C tokens (in flattened [b*s] order) that chose it, whatever the choice's rank
+  (first or second expert of its token). A token chooses an expert at most once, so its k choices
+  never compete with each other, and a schedule that splits the micro-batch into contiguous pieces
+  gets the same drops by passing each piece the per-expert counts of the pieces before it
+  (`prior_counts`, as Lancet §4 passes counts between partitions).
+* Aux loss (Switch Eq. 4 / GShard): E * sum_e f_e * P_e, f_e = assignments to e / (n k) before
+  drops, P_e = mean router probability of e; 1.0 when perfectly balanced.
+* z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): mean over tokens of logsumexp(logits)^2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.param_meta import ParamMeta, make_param
+
+
+@dataclass
+class Routing:
+    """The router's decisions for n tokens."""
+
+    expert_ids: torch.Tensor  # Long[n, k] chosen experts, by descending probability
+    weights: torch.Tensor  # Float32[n, k] combine weights (differentiable)
+    kept: torch.Tensor  # Bool[n, k] False where capacity dropped the assignment
+    tokens_per_expert: torch.Tensor  # Long[E] assignments before drops
+    aux_loss: torch.Tensor  # fp32 scalar: aux_loss_coeff * load balancing + z_loss_coeff * z-loss
+
+    @property
+    def dropped(self) -> int:
+        return int((~self.kept).sum())
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, h], W_r [E, h] -> fp32 logits [n, E], outside any autocast region."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float())
+
+
+def top_k_gating(logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 logits [n, E] -> (probs [n, E], expert_ids [n, k], combine weights [n, k])."""
+    probs = torch.softmax(logits, dim=-1)
+    top_probs, expert_ids = torch.topk(probs, top_k, dim=-1)
+    weights = top_probs / top_probs.sum(-1, keepdim=True) if top_k > 1 else top_probs
+    return probs, expert_ids, weights
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: Optional[float]) -> Optional[int]:
+    """Assignments each expert may take from one data-parallel micro-batch; None = dropless."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def capacity_keep(expert_ids: torch.Tensor, num_experts: int, capacity: Optional[int],
+                  prior_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bool[n, k]: assignment kept under `capacity` by token-major position (module docstring).
+    `prior_counts` Long[E]: assignments to each expert in the pieces of the micro-batch before
+    these n tokens."""
+    if capacity is None:
+        return torch.ones_like(expert_ids, dtype=torch.bool)
+    chose = F.one_hot(expert_ids, num_experts).sum(1)  # [n, E] 0/1: token t chose expert e
+    position = chose.cumsum(0) - chose  # [n, E] earlier tokens that chose e
+    if prior_counts is not None:
+        position = position + prior_counts
+    return position.gather(1, expert_ids) < capacity  # [n, k]
+
+
+def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e over n tokens (probs [n, E], counts before drops)."""
+    n, num_experts = probs.shape
+    fraction = tokens_per_expert.float() / (n * top_k)  # f_e, sums to 1
+    return num_experts * (fraction * probs.mean(0)).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """mean_t logsumexp(logits_t)^2 (fp32 logits [n, E])."""
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+class Router(torch.nn.Module):
+    """Routes one data-parallel micro-batch (or a schedule's piece of one) of tokens [n, h]."""
+
+    def __init__(self, cfg: Config, state: ParallelState):
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.capacity_factor = moe.capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
+        self.weight = make_param(ParamMeta("dense", (moe.num_experts, cfg.model.hidden_size),
+                                           std=cfg.model.init_std), state)  # W_r [E, h], replicated
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = router_logits(x, self.weight)  # [n, E] fp32
+        probs, expert_ids, weights = top_k_gating(logits, self.top_k)
+        tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)  # [E]
+        capacity = expert_capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
+        kept = capacity_keep(expert_ids, self.num_experts, capacity)
+        aux_loss = (self.aux_loss_coeff * load_balancing_loss(probs, tokens_per_expert, self.top_k)
+                    + self.z_loss_coeff * z_loss(logits))
+        return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss)

@@ -1,0 +1,71 @@
+"""Schedule interface: how one MoE layer's tokens travel between ranks (DESIGN.md §4).
+
+`MoELayer` drives every schedule the same way::
+
+    routed = schedule.route(router, x)             # gate + the communication that yields counts [S, E]
+    placement = balancer.plan(routed.counts)       # Placement over the schedule's sources
+    y = schedule.run(routed, placement, experts)   # dispatch -> experts -> combine
+
+A schedule owns everything between the replicated hidden states `x` [n, h] and the replicated
+output `y` [n, h]: which tokens each rank routes, the collectives that move them, how partial
+sums are combined, and `expert_grad_scale`, the factor that cancels redundant expert compute in
+the weight gradients (see `moe/layer.py` for the gradient contract). It builds all all-to-all
+splits and permutations from the Placement, never from the policy that produced it.
+
+Seams for the techniques to come:
+
+* Parm S1 (§III-B) overrides `route`: MP-Split before the gate, per-expert counts exchanged over
+  `tp` so the aux loss and capacity positions (`router.capacity_keep(prior_counts=...)`) cover the
+  whole micro-batch. S2 routes the replicated input like the baseline and splits each expert's
+  tokens over `tp` in `dispatch`. Both dispatch/combine with EP&ESP-AlltoAll over `ep_esp`
+  (sources = `ep_esp` ranks) and compute no token twice (`expert_grad_scale` 1). SAA is S2's combine.
+* FasterMoE's smart schedule and Lancet's forward partition pipelining override `run` to
+  interleave pieces of dispatch, expert compute and combine; Lancet's weight-gradient deferral
+  wraps the experts call in `run`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import torch
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.moe.experts import ExpertBatch, Experts
+from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.router import Router, Routing
+
+
+@dataclass
+class Routed:
+    """What `route` returns; schedules subclass it to carry their own state to `dispatch`."""
+
+    # the router's decisions; tokens_per_expert, dropped and aux_loss cover this rank's whole
+    # data-parallel micro-batch
+    routing: Routing
+    counts: torch.Tensor  # Long[S, E] on the CPU: kept assignments per source and expert (balancer.plan's input)
+
+
+class Schedule(ABC):
+    expert_grad_scale: float = 1.0  # multiplies expert weight gradients
+
+    def __init__(self, cfg: Config, state: ParallelState):
+        self.cfg, self.state = cfg, state
+
+    @abstractmethod
+    def route(self, router: Router, x: torch.Tensor) -> Routed:
+        """x [n, h]: this rank's (TP-replicated) tokens."""
+
+    @abstractmethod
+    def dispatch(self, routed: Routed, placement: Placement) -> Tuple[ExpertBatch, Any]:
+        """Move tokens to the ranks that compute them: (this rank's expert batch, context for combine)."""
+
+    @abstractmethod
+    def combine(self, expert_output: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Expert outputs [m, h] (this ESP shard's partial sums) -> y [n, h] for this rank's tokens."""
+
+    def run(self, routed: Routed, placement: Placement, experts: Experts) -> torch.Tensor:
+        batch, ctx = self.dispatch(routed, placement)
+        return self.combine(experts(batch, grad_scale=self.expert_grad_scale), ctx)
