@@ -1,0 +1,136 @@
+"""Gradient synchronization across replicas and global grad-norm clipping (DESIGN.md §3, §5).
+
+Each rank back-propagates (lm_loss + aux_loss) / num_local_micro_batches, so the gradient of the
+global-batch mean loss is the SUM over data-parallel ranks divided by dp_size:
+
+* dense params (kind "dense") are replicated over ``dp``: all-reduce SUM over ``dp``, / dp_size;
+* expert params (kind "expert") are replicated over ``edp``; an expert copy already saw the tokens
+  of every data-parallel rank of its ``ep_esp`` group, so: SUM over ``edp``, / dp_size (not edp_size);
+* a param replicated across a group that splits its layer's compute (dense params not sharded over
+  ``tp``, expert params not sharded over ``esp``: norms, biases, router, ...) gets the same gradient
+  on every member of that group; it is also averaged over it so the copies stay bit-identical.
+
+Gradients are flattened into buckets (same groups, scale, dtype, device; at most `bucket_bytes`)
+so there is one all-reduce per bucket and group, not one per parameter.
+
+Global grad norm: each parameter counted exactly once. A param's squared norm is summed over the
+groups in ``p.meta.shards`` (its shards are disjoint pieces); replicated copies (over dp, edp, tp,
+esp) are identical after `sync` and are not summed -- the classic MoE bug counts expert or
+tp-replicated params once per copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron_moe.distributed import collectives
+from megatron_moe.distributed.parallel_state import ParallelState
+
+BUCKET_BYTES = 32 << 20
+
+# the group whose ranks split a layer's compute, per param kind; a param not sharded over it is
+# replicated there and averaged over it
+_COMPUTE_GROUP = {"dense": "tp", "expert": "esp"}
+_REPLICA_GROUP = {"dense": "dp", "expert": "edp"}
+
+
+@dataclass
+class _Bucket:
+    params: List[torch.nn.Parameter]
+    groups: Tuple[str, ...]  # all-reduce SUM over each, in order
+    scale: float  # then multiply by this
+    nbytes: int = 0
+
+
+def _sync_plan(p: torch.nn.Parameter, state: ParallelState) -> Tuple[Tuple[str, ...], float]:
+    meta = p.meta
+    replica = _REPLICA_GROUP[meta.kind]
+    groups, scale = [replica], 1.0 / state.dp_size
+    compute = _COMPUTE_GROUP[meta.kind]
+    if compute not in meta.sharded_groups():
+        groups.append(compute)
+        scale /= state.groups[compute].size
+    return tuple(g for g in groups if state.groups[g].size > 1), scale
+
+
+class GradSync:
+    """Bucketed gradient all-reduce + grad-norm clipping for one model on one ParallelState."""
+
+    def __init__(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.state = state
+        self.params = []
+        for name, p in named_params:
+            assert hasattr(p, "meta"), f"parameter {name} has no ParamMeta (use make_param)"
+            if p.requires_grad:
+                self.params.append(p)
+        open_buckets: Dict[tuple, _Bucket] = {}
+        self.buckets: List[_Bucket] = []
+        for p in self.params:
+            groups, scale = _sync_plan(p, state)
+            if not groups and scale == 1.0:
+                continue
+            key = (groups, scale, p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            bucket = open_buckets.get(key)
+            if bucket is None or bucket.nbytes + nbytes > bucket_bytes:
+                bucket = open_buckets[key] = _Bucket([], groups, scale)
+                self.buckets.append(bucket)
+            bucket.params.append(p)
+            bucket.nbytes += nbytes
+        # grad-norm bookkeeping: params grouped by the (size > 1) groups they are sharded over
+        self.norm_keys: Dict[Tuple[str, ...], List[torch.nn.Parameter]] = {}
+        for p in self.params:
+            key = tuple(sorted({g for g in p.meta.sharded_groups() if state.groups[g].size > 1}))
+            self.norm_keys.setdefault(key, []).append(p)
+
+    def _fill_missing_grads(self) -> None:
+        """A param that took no part in this step (e.g. an expert no token chose) has grad zero."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Average gradients over replicas (see module docstring)."""
+        self._fill_missing_grads()
+        for bucket in self.buckets:
+            grads = [p.grad for p in bucket.params]
+            if not bucket.groups:
+                torch._foreach_mul_(grads, bucket.scale)
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            for name in bucket.groups:
+                collectives.all_reduce(flat, self.state.groups[name])
+            flat.mul_(bucket.scale)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (synced) gradient, every parameter counted once; same on all ranks."""
+        self._fill_missing_grads()
+        keys = sorted(self.norm_keys)
+        sq = torch.stack([torch.stack([p.grad.float().pow(2).sum() for p in self.norm_keys[k]]).sum()
+                          for k in keys])  # [num keys] local squared norms
+        for name in sorted({g for k in keys for g in k}):
+            rows = [i for i, k in enumerate(keys) if name in k]
+            part = sq[rows].clone()
+            collectives.all_reduce(part, self.state.groups[name])
+            sq[rows] = part
+        return float(sq.sum().sqrt())
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> float:
+        """Scale gradients so their global norm is at most `max_norm` (0 = off); return the norm
+        before clipping."""
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in self.params], coef)
+        return norm
