@@ -28,6 +28,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     tie_embeddings: bool = True  # output layer shares the input embedding
+    binary_head: str = "sop"  # BERT only: sop (sentence order) | nsp (next sentence) | none
 
 
 @dataclass
@@ -41,6 +42,7 @@ class MoEConfig:
     expert_ffn_hidden_size: Optional[int] = None  # null = model.ffn_hidden_size
     schedule: str = "baseline"  # registry: moe/schedules
     balancer: str = "none"  # registry: moe/balancers
+    saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)
 
 
 @dataclass
@@ -64,6 +66,8 @@ class TrainingConfig:
     eval_iters: int = 4
     run_dir: str = "runs/default"
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights, fp32 router softmax)
+    on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
+    inject_nan_at: int = 0  # TEST ONLY: make rank 0's loss NaN at this iteration (0 = never)
 
 
 @dataclass
@@ -80,24 +84,44 @@ class OptimizerConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    type: Optional[str] = None  # registry (Megatron-LM names): GPT2BPETokenizer | HuggingFaceTokenizer | ...
+    vocab_file: Optional[str] = None  # vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*)
+    merge_file: Optional[str] = None  # merges.txt (GPT2BPETokenizer)
+    model: Optional[str] = None  # SentencePiece .model, or tokenizer.json / its directory
+
+
+@dataclass
 class DataConfig:
-    # null = embedded demo corpus (no files, no downloads)
+    # null = embedded corpus (stdlib sources, BPE-tokenized, cached); [prefix] or [w1, prefix1, w2, prefix2, ...]
     path: Optional[List[Any]] = None
     split: str = "969,30,1"
     num_workers: int = 0
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # required with data.path
+    cache_dir: Optional[str] = None  # embedded corpus + indices (null: ~/.cache/megatron_moe; indices by the data)
+    embedded_vocab_size: int = 4096  # BPE vocabulary trained for the embedded corpus
+    mask_prob: float = 0.15  # BERT: fraction of tokens masked for MLM (80% [MASK], 10% random, 10% kept)
 
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None
-    save_interval: int = 0  # 0 = never
-    keep_last: int = 2
-    load: Optional[str] = None
+    dir: Optional[str] = None  # root: iter_<k>/ directories + `latest` (docs/checkpoints.md)
+    save_interval: int = 0  # save every N iterations and after the last (0 = never)
+    keep_last: int = 2  # complete checkpoints kept (0 = all)
+    load: Optional[str] = None  # null | auto (newest complete under dir) | a checkpoint path
 
 
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
+    image_interval: int = 100  # TensorBoard layer x expert load heatmap every N iterations (0 = never)
+    routing_trace: bool = False  # record token counts [source, expert] per MoE layer and iteration to <run_dir>/routing/
+
+
+@dataclass
+class PerfConfig:
+    # hardware profile YAML (alpha-beta costs, configs/hardware/) for `moe.schedule: auto`
+    hardware_profile: Optional[str] = None
 
 
 @dataclass
@@ -110,3 +134,4 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)

@@ -14,6 +14,8 @@ CHOICES = {
     "model.position_embedding": ("learned", "rope"),
     "training.precision": ("fp32", "bf16"),
     "parallel.backend": ("auto", "gloo", "nccl"),
+    "model.binary_head": ("sop", "nsp", "none"),
+    "training.on_nonfinite": ("skip", "stop"),
 }
 
 POSITIVE = (
@@ -56,6 +58,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if moe.expert_ffn_hidden_size is not None and moe.expert_ffn_hidden_size < 1:
         raise ConfigError(f"moe.expert_ffn_hidden_size={moe.expert_ffn_hidden_size} must be >= 1 or null")
     _check_registries(cfg)
+    _check_parm(cfg)
 
     if par.pipeline != 1:
         raise ConfigError(f"parallel.pipeline={par.pipeline}: pipeline parallelism is not supported yet; use 1")
@@ -87,6 +90,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
             f"training.micro_batch_size*data_parallel={tr.micro_batch_size}*{dp}")
     if tr.train_iters < 0 or tr.eval_interval < 0 or tr.eval_iters < 0:
         raise ConfigError("training.train_iters, training.eval_interval and training.eval_iters must be >= 0")
+    if tr.inject_nan_at < 0 or cfg.logging.image_interval < 0:
+        raise ConfigError("training.inject_nan_at and logging.image_interval must be >= 0 (0 = off)")
     if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr={opt.min_lr} and optimizer.lr={opt.lr} need 0 <= min_lr <= lr, lr > 0")
     if opt.warmup_iters < 0 or opt.clip_grad < 0 or opt.weight_decay < 0:
@@ -94,6 +99,17 @@ def validate_config(cfg: Config, world_size: int) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(opt, key) < 1.0:
             raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in [0, 1)")
+    _check_checkpoint(cfg)
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    ck = cfg.checkpoint
+    if ck.save_interval < 0 or ck.keep_last < 0:
+        raise ConfigError("checkpoint.save_interval and checkpoint.keep_last must be >= 0")
+    if ck.save_interval > 0 and not ck.dir:
+        raise ConfigError(f"checkpoint.save_interval={ck.save_interval} needs checkpoint.dir")
+    if ck.load == "auto" and not ck.dir:
+        raise ConfigError("checkpoint.load=auto needs checkpoint.dir")
 
 
 def _check_registries(cfg: Config) -> None:
@@ -105,3 +121,65 @@ def _check_registries(cfg: Config) -> None:
     SCHEDULES.get(cfg.moe.schedule)
     BALANCERS.get(cfg.moe.balancer)
     LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
+    if cfg.data.tokenizer.type is not None:
+        from megatron_moe.data.tokenizers import TOKENIZERS
+
+        TOKENIZERS.get(cfg.data.tokenizer.type)
+
+
+def validate_data_config(cfg: Config) -> int:
+    """Data rules (they read the tokenizer files and the `.idx` headers, so they run in the entry
+    points, not in `validate_config`). Returns the tokenizer's vocabulary size."""
+    from megatron_moe.data.blend import parse_blend
+    from megatron_moe.data.gpt_dataset import parse_split
+    from megatron_moe.data.indexed import IndexedDataset
+
+    d = cfg.data
+    try:
+        parse_split(d.split)
+        if not 0.0 < d.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob={d.mask_prob} must be in (0, 1)")
+        if d.path is None:
+            if d.tokenizer.type is not None:
+                raise ConfigError("data.tokenizer.type is set but data.path is null: the embedded corpus "
+                                  "brings its own tokenizer (set data.path to use yours)")
+            if d.embedded_vocab_size < 512:
+                raise ConfigError(f"data.embedded_vocab_size={d.embedded_vocab_size} must be >= 512")
+            vocab_size, source = d.embedded_vocab_size, "data.embedded_vocab_size"
+        else:
+            for prefix in parse_blend(d.path)[0]:
+                IndexedDataset(prefix)  # O(1): both files exist, header and sizes agree
+            if d.tokenizer.type is None:
+                raise ConfigError("data.path needs data.tokenizer.type (and its files) to know the vocabulary")
+            vocab_size = tokenizer_spec(cfg).build().vocab_size
+            source = f"data.tokenizer.type={d.tokenizer.type}"
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    if cfg.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab_size} tokens ({source})")
+    return vocab_size
+
+
+def tokenizer_spec(cfg: Config):
+    """`data.tokenizer.*` as a `TokenizerSpec` (the registry checks the type)."""
+    from megatron_moe.data.tokenizers import TOKENIZERS, TokenizerSpec
+
+    t = cfg.data.tokenizer
+    TOKENIZERS.get(t.type)
+    return TokenizerSpec(t.type, t.vocab_file, t.merge_file, t.model)
+
+
+def _check_parm(cfg: Config) -> None:
+    """Parm options (moe/schedules/parm.py): SAA belongs to S2; auto needs a hardware profile."""
+    from megatron_moe.perf.hardware import load_profile
+
+    moe, profile = cfg.moe, cfg.perf.hardware_profile
+    if moe.saa and moe.schedule not in ("s2", "auto"):
+        raise ConfigError(f"moe.saa=true needs moe.schedule s2 or auto, not {moe.schedule!r}")
+    if moe.schedule == "auto" and not profile:
+        raise ConfigError("moe.schedule=auto needs perf.hardware_profile (a YAML file, see configs/hardware/)")
+    if profile:
+        load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed

@@ -1,7 +1,7 @@
 """Which samples each rank trains on: a function of (seed, global batch) only, never of the layout.
 
-    global batch i        = a fixed list of `global_batch_size` sample indices
-                            (epoch e of the data is a permutation drawn from (seed, e))
+    global batch i        = samples [i*B, (i+1)*B) of the dataset (B = global_batch_size); the
+                            datasets are already shuffled from the seed (gpt_dataset.py, blend.py)
     micro-batch j         = samples [j*mbs, (j+1)*mbs) of that list
     data-parallel rank d  = micro-batches j with j % dp == d
 
@@ -10,39 +10,17 @@ between them; the gradient they sum is the same.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence
 
+import numpy as np
 import torch
 
-Batch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens Long[b, s], labels Long[b, s], loss_mask [b, s]
+Batch = Dict[str, torch.Tensor]  # e.g. tokens Long[b, s], labels Long[b, s], loss_mask Float[b, s]
 
 
-class GlobalBatchSampler:
-    """Global batch index -> sample indices, walking through epochs of the dataset."""
-
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
-        assert num_samples > 0
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self._epoch: Optional[Tuple[int, torch.Tensor]] = None  # (epoch, permutation) cache
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        if self._epoch is None or self._epoch[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._epoch = (epoch, torch.randperm(self.num_samples, generator=gen))
-        return self._epoch[1]
-
-    def batch(self, index: int) -> List[int]:
-        """Sample indices of global batch `index` (0-based)."""
-        out = []
-        for k in range(index * self.global_batch_size, (index + 1) * self.global_batch_size):
-            epoch, pos = divmod(k, self.num_samples)
-            out.append(int(self._order(epoch)[pos]))
-        return out
+def global_batch(index: int, global_batch_size: int) -> List[int]:
+    """Sample indices of global batch `index` (0-based)."""
+    return list(range(index * global_batch_size, (index + 1) * global_batch_size))
 
 
 def rank_micro_batches(samples: Sequence[int], micro_batch_size: int, dp_size: int,
@@ -53,6 +31,6 @@ def rank_micro_batches(samples: Sequence[int], micro_batch_size: int, dp_size: i
 
 
 def collate(dataset, indices: Sequence[int]) -> Batch:
-    """Stack dataset samples into batch-first tensors."""
-    tokens, labels, mask = zip(*(dataset[i] for i in indices))
-    return torch.stack(tokens), torch.stack(labels), torch.stack(mask)
+    """Stack dataset samples (dicts of numpy arrays) into batch-first tensors."""
+    samples = [dataset[i] for i in indices]
+    return {key: torch.from_numpy(np.stack([s[key] for s in samples])) for key in samples[0]}

@@ -7,7 +7,9 @@ size 1. Byte counts use Parm's notation for a collective's message size x (Parm 
     all_gather      x = bytes of the gathered output (all ranks' pieces)
     reduce_scatter  x = bytes of the input (before scattering)
     all_to_all      x = bytes of this rank's input (all splits, including the one it keeps)
-    broadcast/send/recv: bytes of the tensor
+    broadcast/send/recv: bytes of the tensor; p2p_exchange: bytes of the tensors it sends
+
+Asynchronous ops (`all_gather_v_async`, `p2p_exchange`) count bytes, not time.
 
 Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
 `COMM_STATS.snapshot()` returns them, `COMM_STATS.reset()` clears them. Differentiable wrappers
@@ -20,7 +22,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -103,12 +105,12 @@ def barrier(group: Group) -> None:
 
 # ---- raw collectives (no autograd) -------------------------------------------------------------
 
-def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce; returns `t`. `op`: sum | max | min."""
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", kind: str = "all_reduce") -> torch.Tensor:
+    """In-place all-reduce; returns `t`. `op`: sum | max | min. `kind` labels the traffic."""
     if group.size == 1:
         return t
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    with _timed("all_reduce", group, _nbytes(t)):
+    with _timed(kind, group, _nbytes(t)):
         dist.all_reduce(t, op=reduce_op, group=group.handle)
     return t
 
@@ -140,6 +142,17 @@ def all_gather_sizes(n: int, group: Group, kind: str = "all_gather") -> List[int
     return all_gather(sizes, group, kind=kind).tolist()
 
 
+def _gather_buffers(t: torch.Tensor, group: Group, sizes: List[int]):
+    """gloo/NCCL all_gather needs equal shapes: pad `t` to the largest size; (send buffer, receive pieces)."""
+    buf = t.new_zeros((max(sizes),) + tuple(t.shape[1:]))
+    buf[: t.shape[0]] = t
+    return buf, [torch.empty_like(buf) for _ in range(group.size)]
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.element_size() * math.prod(t.shape[1:])
+
+
 def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = None,
                  kind: str = "all_gather") -> torch.Tensor:
     """Concatenate tensors whose dim-0 sizes differ per rank. `sizes` (every rank's dim 0) may be
@@ -148,14 +161,32 @@ def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = Non
         return t
     if sizes is None:
         sizes = all_gather_sizes(t.shape[0], group, kind)
-    row_bytes = t.element_size() * math.prod(t.shape[1:])
-    padded = max(sizes)
-    buf = t.new_zeros((padded,) + tuple(t.shape[1:]))
-    buf[: t.shape[0]] = t
-    pieces = [torch.empty_like(buf) for _ in range(group.size)]
-    with _timed(kind, group, row_bytes * sum(sizes)):
+    buf, pieces = _gather_buffers(t, group, sizes)
+    with _timed(kind, group, _row_bytes(t) * sum(sizes)):
         dist.all_gather(pieces, buf, group=group.handle)
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
+
+
+class PendingGather:
+    """An `all_gather_v` in flight (from `all_gather_v_async`); `wait()` returns the concatenation."""
+
+    def __init__(self, work, pieces: List[torch.Tensor], sizes: List[int]):
+        self.work, self.pieces, self.sizes = work, pieces, sizes
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return torch.cat([p[:n] for p, n in zip(self.pieces, self.sizes)], dim=0)
+
+
+def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: str = "all_gather") -> PendingGather:
+    """Start an `all_gather_v` and return at once, so that communication on another group can run
+    meanwhile (Parm's SAA). Bytes are counted when it starts; its time is not measured."""
+    if group.size == 1:
+        return PendingGather(None, [t], [t.shape[0]])
+    buf, pieces = _gather_buffers(t, group, sizes)
+    COMM_STATS.record(kind, group, _row_bytes(t) * sum(sizes), 0.0)
+    return PendingGather(dist.all_gather(pieces, buf, group=group.handle, async_op=True), pieces, sizes)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -218,6 +249,19 @@ def isend(t: torch.Tensor, dst_index: int, group: Group):
 
 def irecv(t: torch.Tensor, src_index: int, group: Group):
     return dist.irecv(t, src=group.global_rank(src_index), group=group.handle)
+
+
+def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
+                 group: Group, kind: str = "send") -> list:
+    """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
+    (batch_isend_irecv, as NCCL needs) and return the requests to wait on. Counts the bytes sent as
+    `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group.global_rank(i), group.handle) for i, t in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, group.global_rank(i), group.handle) for i, t in recvs if t.numel()]
+    if not ops:
+        return []
+    COMM_STATS.record(kind, group, sum(_nbytes(t) for _, t in sends), 0.0)
+    return dist.batch_isend_irecv(ops)
 
 
 # ---- differentiable wrappers --------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""Input embedding: vocab-parallel word embedding + learned absolute positions (GPT-2), then dropout.
+"""Input embedding: vocab-parallel word embedding + learned absolute positions (GPT-2) [+ token
+types (BERT segments A/B)], then dropout.
 
 tokens `[b, s]` (replicated across TP) -> hidden `[b, s, h]` (replicated across TP). With rotary
 positions (`model.position_embedding: rope`) there is no position table; attention rotates q/k.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -14,18 +17,24 @@ from megatron_moe.tensor_parallel import Dropout, DropoutRNG, VocabParallelEmbed
 
 
 class Embedding(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG):
+    def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG, num_token_types: int = 0):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, state, std=cfg.init_std)
         self.position = None
         if cfg.position_embedding == "learned":
             self.position = make_param(ParamMeta("dense", (cfg.seq_length, cfg.hidden_size), std=cfg.init_std), state)
+        self.token_type = None
+        if num_token_types:
+            self.token_type = make_param(ParamMeta("dense", (num_token_types, cfg.hidden_size), std=cfg.init_std),
+                                         state)
         self.dropout = Dropout(cfg.dropout, rng, "replicated")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.word(tokens)  # [b, s, h]
         if self.position is not None:
             if tokens.shape[1] > self.position.shape[0]:
                 raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={self.position.shape[0]}")
             x = x + self.position[: tokens.shape[1]]
+        if self.token_type is not None:
+            x = x + self.token_type[token_types]  # [b, s, h]
         return self.dropout(x)

@@ -17,3 +17,5 @@ class ModelOutput:
     aux_loss: torch.Tensor
     # one `MoEStats` per MoE layer, in layer order
     moe_stats: List["MoEStats"] = field(default_factory=list)  # noqa: F821 - megatron_moe.moe.stats
+    # BERT's binary head (sentence order / next sentence): mean cross-entropy; None for GPT
+    binary_loss: Optional[torch.Tensor] = None

@@ -53,6 +53,5 @@ class MoELayer(torch.nn.Module):
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
         placement = self.balancer.plan(routed.counts)
         y = self.schedule.run(routed, placement, self.experts)  # [b*s, h]
-        routing = routed.routing
-        self.last_stats = MoEStats(routing.tokens_per_expert, routing.dropped, placement.tokens_per_ep_rank())
-        return y.to(x.dtype).view(b, s, h), routing.aux_loss
+        self.last_stats = self.schedule.stats(routed, placement)
+        return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss

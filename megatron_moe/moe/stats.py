@@ -1,7 +1,9 @@
 """Per-layer MoE statistics, refreshed by every `MoELayer.forward` (`layer.last_stats`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import List
 
 import torch
 
@@ -16,6 +18,8 @@ class MoEStats:
     # `ep_esp` group in this forward, after drops and placement; redundant copies included (the
     # baseline computes each TP rank's copy of a token)
     tokens_per_ep_rank: torch.Tensor
+    # the schedule that ran this forward (`moe.schedule`; with `auto`, the one Parm's Alg. 1 picked)
+    schedule: str = ""
 
     @property
     def load_imbalance(self) -> float:
@@ -23,3 +27,28 @@ class MoEStats:
         load = self.tokens_per_ep_rank.double()
         mean = float(load.mean())
         return float(load.max()) / mean if mean > 0 else 1.0
+
+
+@dataclass
+class IterationMoEStats:
+    """Every MoE layer's `MoEStats` summed over this rank's micro-batches of one iteration."""
+
+    tokens_per_expert: torch.Tensor  # Long[L, E] routed assignments before drops
+    dropped: torch.Tensor  # Long[L] assignments dropped by capacity
+    tokens_per_ep_rank: torch.Tensor  # Long[L, ep] assignments computed per EP rank
+    # per layer: how many of this rank's micro-batch forwards ran each schedule (Parm `auto` may
+    # pick s1 or s2 per layer and forward)
+    schedules: List[Counter] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, stats: List[MoEStats]) -> "IterationMoEStats":
+        """One micro-batch's stats (`ModelOutput.moe_stats`, one per MoE layer), on the CPU."""
+        return cls(torch.stack([s.tokens_per_expert.cpu() for s in stats]),
+                   torch.tensor([s.dropped for s in stats], dtype=torch.long),
+                   torch.stack([s.tokens_per_ep_rank.cpu() for s in stats]),
+                   [Counter({s.schedule: 1}) for s in stats])
+
+    def __add__(self, other: "IterationMoEStats") -> "IterationMoEStats":
+        return IterationMoEStats(self.tokens_per_expert + other.tokens_per_expert, self.dropped + other.dropped,
+                                 self.tokens_per_ep_rank + other.tokens_per_ep_rank,
+                                 [a + b for a, b in zip(self.schedules, other.schedules)])

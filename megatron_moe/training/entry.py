@@ -1,47 +1,56 @@
-"""Shared `main()` of the pretraining entry points (pretrain_gpt_moe.py, later pretrain_bert_moe.py).
+"""Shared `main()` of the pretraining entry points (pretrain_gpt_moe.py, pretrain_bert_moe.py).
 
-    --config FILE section.key=value ...  ->  load_config -> validate_config (before any process
-    group) -> launch.initialize -> ParallelState -> Trainer(cfg, state, model_cls).train()
+    --config FILE section.key=value ...  ->  load_config -> validate_config + validate_data_config
+    (before any process group) -> launch.initialize -> ParallelState
+    -> Trainer(cfg, state, model_cls, datasets).train()
 
 A bad config prints one line `config error: ...` to stderr (rank 0) and exits with code 2, no
-traceback.
+traceback. A non-finite loss or gradient with `training.on_nonfinite: stop` prints one line
+`stopped: ...` (rank 0) and exits with code 3 on every rank (`training/failures.py`).
 """
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from megatron_moe.config import Config, ConfigError, load_config, parse_cli, validate_config
-from megatron_moe.data import check_data_config
+from megatron_moe.config.validate import validate_data_config
 from megatron_moe.distributed import collectives, launch
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.training.failures import NONFINITE_EXIT, NonFiniteError
 from megatron_moe.training.trainer import Trainer
 
 CONFIG_ERROR_EXIT = 2
 
 
-def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "") -> int:
+def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "",
+         datasets: Optional[Callable] = None) -> int:
+    """`datasets(cfg) -> (train, valid)` builds the model's samples (None: GPT's)."""
     path, overrides = parse_cli(argv, description)
     info = launch.detect_launch()
     try:
         cfg = load_config(path, overrides)
         validate_config(cfg, info.world_size)
-        check_data_config(cfg)
-        train(cfg, model_cls)
+        validate_data_config(cfg)
+        train(cfg, model_cls, datasets)
     except ConfigError as exc:
         if info.rank == 0:
             print(f"config error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    except NonFiniteError as exc:
+        if info.rank == 0:
+            print(f"stopped: {exc}", file=sys.stderr)
+        return NONFINITE_EXIT
     return 0
 
 
-def train(cfg: Config, model_cls: type) -> None:
+def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> None:
     """Create the process groups for a validated `cfg` and train."""
     par = cfg.parallel
     info = launch.initialize(par.backend, par.timeout_s)
     try:
         layout = RankLayout(world_size=info.world_size, tensor=par.tensor, pipeline=par.pipeline,
                             expert=par.expert, expert_shard=par.expert_shard)
-        Trainer(cfg, ParallelState.build(layout, info.rank), model_cls).train()
+        Trainer(cfg, ParallelState.build(layout, info.rank), model_cls, datasets).train()
     finally:
         collectives.destroy_process_group()

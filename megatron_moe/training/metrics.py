@@ -1,15 +1,20 @@
 """Training metrics out: one console line, one `metrics.jsonl` object and TensorBoard scalars per
 logged iteration. Only the writing rank (rank 0) creates files; the others keep a disabled logger.
 
-A record is a flat dict of numbers plus two nested fields: ``comm_bytes`` ({op kind: bytes}) and
-``expert_load_imbalance`` ([one max/mean ratio per MoE layer]); TensorBoard gets those as
-``comm_bytes/<kind>`` and ``expert_load_imbalance/layer<i>``.
+A record is a flat dict of numbers plus nested fields: dicts ``comm_bytes`` ({op kind: bytes} of
+the forward, backward and gradient sync; the metric collectives after them are not included) and
+``time_ms`` ({forward, backward, optimizer, comm_wait}), and per-MoE-layer lists
+``expert_load_imbalance`` (FlexMoE Eq. 6 balance ratio: max/mean over EP ranks),
+``balance_degree`` (Pro-Prophet: std of the per-expert load) and ``dropped_fraction``;
+TensorBoard gets those as ``<field>/<key>`` and ``<field>/layer<i>``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import time
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -22,6 +27,10 @@ def format_console(record: Record, train_iters: int, eta_s: float) -> str:
             f"aux {record['aux_loss']:.4f} | lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
             f"{record['tokens_per_sec']:,.0f} tok/s | {record['iter_time_ms']:.1f} ms/iter | "
             f"ETA {datetime.timedelta(seconds=round(eta_s))}")
+    if "binary_loss" in record:
+        line += f" | binary loss {record['binary_loss']:.4f}"
+    if record.get("skipped_iterations"):
+        line += f" | skipped {record['skipped_iterations']} non-finite"
     if "eval_loss" in record:
         line += f" | eval loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
     return line
@@ -35,7 +44,11 @@ def scalars(record: Record) -> Iterator[Tuple[str, float]]:
         if isinstance(value, dict):
             yield from ((f"{key}/{k}", float(v)) for k, v in value.items())
         elif isinstance(value, list):
-            yield from ((f"{key}/layer{i}", float(v)) for i, v in enumerate(value))
+            for i, v in enumerate(value):
+                if isinstance(v, dict):  # e.g. moe_schedule: {schedule name: forwards} per layer
+                    yield from ((f"{key}/layer{i}/{k}", float(n)) for k, n in v.items())
+                else:
+                    yield f"{key}/layer{i}", float(v)
         else:
             yield key, float(value)
 
@@ -69,6 +82,15 @@ class MetricsLogger:
             for tag, value in scalars(record):
                 self._tb.add_scalar(tag, value, record["iteration"])
 
+    @property
+    def tensorboard(self) -> bool:
+        return self._tb is not None
+
+    def image(self, tag: str, rgb, iteration: int) -> None:
+        """An image (uint8 numpy [H, W, 3]) to TensorBoard."""
+        if self._tb is not None:
+            self._tb.add_image(tag, rgb, iteration, dataformats="HWC")
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
@@ -81,3 +103,32 @@ def load_imbalance(tokens_per_ep_rank: torch.Tensor) -> list:
     counts = tokens_per_ep_rank.double()
     mean = counts.mean(dim=1).clamp(min=1e-12)
     return (counts.max(dim=1).values / mean).tolist()
+
+
+def layer_load_metrics(tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> Record:
+    """Global [L, E] assignments per expert and [L] drops -> per-layer lists: `balance_degree`
+    (Pro-Prophet §VI: standard deviation of the per-expert load) and `dropped_fraction`."""
+    counts = tokens_per_expert.double()
+    total = counts.sum(dim=1).clamp(min=1)
+    return {"balance_degree": counts.std(dim=1, unbiased=False).tolist(),
+            "dropped_fraction": (dropped.double() / total).tolist()}
+
+
+class PhaseTimer:
+    """Wall seconds per named phase (`with timer("forward"): ...`), summed until `reset()`.
+    On CUDA each phase ends with a synchronize so that the time is the phase's own."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds = {}

@@ -5,7 +5,11 @@ One iteration consumes one global batch. Data-parallel rank d runs the micro-bat
 j % dp == d (`data/batches.py`) and back-propagates (lm_loss + aux_loss) / num_local_micro_batches
 for each; `GradSync` then averages over replicas, so every layout computes the gradient of the same
 global-batch mean loss. The reported loss is the mean of lm_loss over all the global batch's
-micro-batches (all-reduced over dp): identical on every rank and every layout.
+micro-batches (all-reduced over dp): identical on every rank and every layout. Models with a
+binary head (BERT) add its loss to the objective and report it as `binary_loss`.
+
+The data builder (`datasets(cfg) -> (train, valid)`, GPT by default) follows the model class;
+global batch i is samples [i*B, (i+1)*B) of the seed-shuffled dataset (`data/batches.py`).
 
 Precision: fp32, or bf16 autocast around the forward with fp32 master weights (parameters,
 gradients and optimizer state stay fp32).
@@ -16,19 +20,20 @@ import contextlib
 import math
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from megatron_moe.config import Config, save_config
-from megatron_moe.data import GlobalBatchSampler, build_datasets, collate, rank_micro_batches
-from megatron_moe.data.batches import Batch
+from megatron_moe.data.batches import Batch, collate, global_batch, rank_micro_batches
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.launch import pick_backend
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
-from megatron_moe.training.metrics import MetricsLogger, Record, load_imbalance
+from megatron_moe.moe.stats import IterationMoEStats
+from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite
+from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
 
 
@@ -39,9 +44,12 @@ def training_device(cfg: Config) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, state: ParallelState, model_cls: Optional[type] = None):
+    def __init__(self, cfg: Config, state: ParallelState, model_cls: Optional[type] = None,
+                 datasets: Optional[Callable] = None):
         if model_cls is None:
             from megatron_moe.model.gpt import GPTMoEModel as model_cls
+        if datasets is None:
+            from megatron_moe.data.datasets import build_gpt_datasets_from_config as datasets
         tr = cfg.training
         self.cfg, self.state = cfg, state
         self.device = training_device(cfg)
@@ -50,19 +58,22 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_schedule = LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
         self.grads = GradSync(list(self.model.named_parameters()), state)
-        self.train_data, self.valid_data = build_datasets(cfg)
-        self.train_batches = GlobalBatchSampler(len(self.train_data), tr.global_batch_size, tr.seed)
-        self.valid_batches = GlobalBatchSampler(len(self.valid_data), tr.global_batch_size, tr.seed, shuffle=False)
+        self.train_data, self.valid_data = datasets(cfg)
+        self.has_binary_head = False  # set by the first forward (BERT's sentence-order / next-sentence head)
         self.num_micro_batches = tr.global_batch_size // (tr.micro_batch_size * state.dp_size)  # per rank
+        self.timer = PhaseTimer(self.device)  # forward / backward / optimizer seconds of the iteration
+        self.skipped_iterations = 0  # non-finite updates dropped (training.on_nonfinite=skip)
+        self.routed_per_source = None  # Long[dp, moe layers, E + 1] of the last iteration: counts | dropped
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if tr.precision == "bf16" else contextlib.nullcontext())
 
     # -- data ---------------------------------------------------------------------------------
-    def micro_batches(self, dataset, sampler: GlobalBatchSampler, index: int) -> List[Batch]:
+    def micro_batches(self, dataset, index: int) -> List[Batch]:
         """This rank's micro-batches of global batch `index`, on the training device."""
         tr = self.cfg.training
-        parts = rank_micro_batches(sampler.batch(index), tr.micro_batch_size, self.state.dp_size, self.state.dp.rank)
-        return [tuple(t.to(self.device) for t in collate(dataset, p)) for p in parts]
+        parts = rank_micro_batches(global_batch(index, tr.global_batch_size), tr.micro_batch_size,
+                                   self.state.dp_size, self.state.dp.rank)
+        return [{k: t.to(self.device) for k, t in collate(dataset, p).items()} for p in parts]
 
     def mean_over_dp(self, local_sums: torch.Tensor, count_per_rank: int) -> List[float]:
         """Per-rank sums over micro-batches -> means over all data-parallel micro-batches."""
@@ -70,20 +81,41 @@ class Trainer:
         return (total / (count_per_rank * self.state.dp_size)).tolist()
 
     # -- one iteration --------------------------------------------------------------------------
-    def forward_backward(self, index: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward_backward(self, index: int) -> Tuple[torch.Tensor, Optional[IterationMoEStats]]:
         """Accumulate gradients of global batch `index` (0-based). Returns this rank's
-        ([lm_loss sum, aux_loss sum] over its micro-batches, tokens per EP rank [moe layers, ep] or None)."""
-        sums = torch.zeros(2, device=self.device)
-        loads = None
-        for tokens, labels, loss_mask in self.micro_batches(self.train_data, self.train_batches, index):
-            with self.autocast:
-                out = self.model(tokens, labels, loss_mask)
-            ((out.lm_loss + out.aux_loss) / self.num_micro_batches).backward()
-            sums += torch.stack([out.lm_loss.detach().float(), out.aux_loss.detach().float()])
+        ([lm_loss, aux_loss, binary_loss] sums over its micro-batches, MoE stats summed over them or None)."""
+        sums = torch.zeros(3, device=self.device)
+        moe = None
+        for batch in self.micro_batches(self.train_data, index):
+            with self.timer("forward"), self.autocast:
+                out = self.model(**batch)
+            lm_loss = out.lm_loss
+            if index + 1 == self.cfg.training.inject_nan_at and self.state.rank == 0:
+                lm_loss = lm_loss * float("nan")  # test-only hook (training.inject_nan_at)
+            binary_loss = out.binary_loss if out.binary_loss is not None else torch.zeros((), device=self.device)
+            with self.timer("backward"):
+                ((lm_loss + out.aux_loss + binary_loss) / self.num_micro_batches).backward()
+            sums += torch.stack([lm_loss.detach().float(), out.aux_loss.detach().float(),
+                                 binary_loss.detach().float()])
+            self.has_binary_head = out.binary_loss is not None
             if out.moe_stats:
-                counts = torch.stack([s.tokens_per_ep_rank.to(self.device) for s in out.moe_stats])  # [moe layers, ep]
-                loads = counts if loads is None else loads + counts
-        return sums, loads
+                stats = IterationMoEStats.of(out.moe_stats)
+                moe = stats if moe is None else moe + stats
+        return sums, moe
+
+    def moe_metrics(self, moe: Optional[IterationMoEStats]) -> Record:
+        """Per-MoE-layer load metrics of the iteration (same on every rank); keeps the per-source
+        counts in `routed_per_source` for routing traces and the heatmap."""
+        if moe is None:
+            return {"expert_load_imbalance": []}
+        # each ep_esp group counted its own tokens; sum the groups
+        loads = collectives.all_reduce(moe.tokens_per_ep_rank.to(self.device), self.state.edp)  # [L, ep]
+        local = torch.cat([moe.tokens_per_expert, moe.dropped[:, None]], dim=1)[None]  # [1, L, E + 1]
+        self.routed_per_source = collectives.all_gather(local.to(self.device), self.state.dp,
+                                                        kind="moe_stats").cpu()  # [dp, L, E + 1]
+        total = self.routed_per_source.sum(0)  # [L, E + 1]
+        return {"expert_load_imbalance": load_imbalance(loads), **layer_load_metrics(total[:, :-1], total[:, -1]),
+                "moe_schedule": [dict(c) for c in moe.schedules]}
 
     def train_step(self, iteration: int) -> Record:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""
@@ -93,14 +125,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        sums, loads = self.forward_backward(iteration - 1)
+        self.timer.reset()
+        sums, moe = self.forward_backward(iteration - 1)
         self.grads.sync()
         grad_norm = self.grads.clip(self.cfg.optimizer.clip_grad)
-        self.optimizer.step()
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()
-        loss, aux_loss = self.mean_over_dp(sums, self.num_micro_batches)
-        if loads is not None:  # each ep_esp group counted its own tokens; sum the groups
-            collectives.all_reduce(loads, self.state.edp)
+        comm_seconds = collectives.COMM_STATS.total_seconds()
+        loss, aux_loss, binary_loss = self.mean_over_dp(sums, self.num_micro_batches)
+        if all_finite([loss, aux_loss, binary_loss, grad_norm]):  # the same on every rank
+            with self.timer("optimizer"):
+                self.optimizer.step()
+        elif self.cfg.training.on_nonfinite == "stop":
+            raise NonFiniteError(f"iteration {iteration}: non-finite loss {loss} or grad norm {grad_norm}; "
+                                 "stopping without applying it (training.on_nonfinite=stop)")
+        else:
+            self.skipped_iterations += 1
+        moe_metrics = self.moe_metrics(moe)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -108,8 +148,10 @@ class Trainer:
         return {
             "iteration": iteration, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tr.global_batch_size * self.cfg.model.seq_length / seconds,
-            "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes,
-            "expert_load_imbalance": load_imbalance(loads) if loads is not None else [],
+            "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes, **moe_metrics,
+            "time_ms": {**{k: v * 1e3 for k, v in self.timer.seconds.items()}, "comm_wait": comm_seconds * 1e3},
+            "skipped_iterations": self.skipped_iterations,
+            **({"binary_loss": binary_loss} if self.has_binary_head else {}),
         }
 
     @torch.no_grad()
@@ -118,9 +160,9 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(1, device=self.device)
         for index in range(self.cfg.training.eval_iters):
-            for tokens, labels, loss_mask in self.micro_batches(self.valid_data, self.valid_batches, index):
+            for batch in self.micro_batches(self.valid_data, index):
                 with self.autocast:
-                    total += self.model(tokens, labels, loss_mask).lm_loss.float()
+                    total += self.model(**batch).lm_loss.float()
         self.model.train()
         (loss,) = self.mean_over_dp(total, self.cfg.training.eval_iters * self.num_micro_batches)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
@@ -136,17 +178,89 @@ class Trainer:
         metrics.print(f"{self.state.describe()} | {sum(p.numel() for p in self.model.parameters()):,} "
                       f"local parameters | {self.num_micro_batches} micro-batches per rank per iteration")
         records, elapsed = [], 0.0
+        start = self.load_checkpoint()
+        trace = self.routing_trace_writer() if writer and self.cfg.logging.routing_trace else None
         try:
-            for iteration in range(1, tr.train_iters + 1):
-                record = self.train_step(iteration)
-                elapsed += record["iter_time_ms"] / 1e3
-                evaluate = tr.eval_iters > 0 and tr.eval_interval > 0 and (
-                    iteration % tr.eval_interval == 0 or iteration == tr.train_iters)
-                if evaluate:
-                    record.update(self.evaluate())
-                if evaluate or iteration == 1 or iteration % tr.log_interval == 0 or iteration == tr.train_iters:
-                    metrics.log(record, eta_s=elapsed / iteration * (tr.train_iters - iteration))
-                    records.append(record)
+            with StopRequest(self.state, self.device) as stop:
+                for iteration in range(start + 1, tr.train_iters + 1):
+                    record = self.train_step(iteration)
+                    self.log_routing(iteration, trace, metrics)
+                    elapsed += record["iter_time_ms"] / 1e3
+                    stopping = stop.agreed()  # preemption: every rank stops after the same iteration
+                    evaluate = tr.eval_iters > 0 and tr.eval_interval > 0 and (
+                        iteration % tr.eval_interval == 0 or iteration == tr.train_iters)
+                    if evaluate:
+                        record.update(self.evaluate())
+                    if (evaluate or stopping or iteration == 1 or iteration % tr.log_interval == 0
+                            or iteration == tr.train_iters):
+                        metrics.log(record, eta_s=elapsed / (iteration - start) * (tr.train_iters - iteration))
+                        records.append(record)
+                    save_interval = self.cfg.checkpoint.save_interval
+                    saved = None
+                    if save_interval > 0 and (iteration % save_interval == 0 or iteration == tr.train_iters):
+                        saved = self.save_checkpoint(iteration)
+                    if stopping:
+                        self.stop_early(iteration, stop.signal_name, saved, metrics)
+                        break
         finally:
             metrics.close()
+            if trace is not None:
+                trace.close()
         return records
+
+    # -- checkpoints (training/checkpoint.py) -----------------------------------------------------
+    def save_checkpoint(self, iteration: int) -> str:
+        """Collective: save the training state after `iteration` under `checkpoint.dir`; return its path."""
+        from megatron_moe.training import checkpoint
+
+        return checkpoint.save_checkpoint(self.cfg, self.state, self.model, self.optimizer, iteration,
+                                          {"skipped_iterations": self.skipped_iterations})
+
+    def load_checkpoint(self) -> int:
+        """Collective: load what `checkpoint.load` names (auto: the newest complete one, if any);
+        return the iteration to continue after (0 = fresh start)."""
+        from megatron_moe.training import checkpoint
+
+        path = checkpoint.load_path(self.cfg)
+        if path is None:
+            return 0
+        meta = checkpoint.load_checkpoint(path, self.cfg, self.state, self.model, self.optimizer)
+        self.skipped_iterations = meta.get("trainer", {}).get("skipped_iterations", 0)
+        if self.state.rank == 0:
+            print(f"checkpoint: resumed from {path} (iteration {meta['iteration']})", flush=True)
+        return meta["iteration"]
+
+    def stop_early(self, iteration: int, signal_name: Optional[str], saved: Optional[str],
+                   metrics: MetricsLogger) -> None:
+        """After a stop signal (training/failures.py): make sure a checkpoint of `iteration` exists
+        when checkpointing is configured (`saved`: the one the loop just wrote, if any); say so."""
+        if saved is None and self.cfg.checkpoint.dir:
+            saved = self.save_checkpoint(iteration)
+        outcome = f"checkpoint saved to {saved}" if saved else "no checkpoint written (checkpoint.dir is not set)"
+        metrics.print(f"{signal_name or 'a stop signal on another rank'}: stopped after iteration {iteration}; {outcome}")
+
+    # -- routing traces and load pictures ------------------------------------------------------------
+    def routing_trace_writer(self):
+        from megatron_moe.moe.routing_trace import RoutingTraceWriter
+
+        moe = self.cfg.moe
+        layers = [layer.layer_index for layer in self.model.moe_layers()]
+        return RoutingTraceWriter(os.path.join(self.cfg.training.run_dir, "routing"), {
+            "num_moe_layers": len(layers), "moe_layer_indices": layers, "num_sources": self.state.dp_size,
+            "num_experts": moe.num_experts, "top_k": moe.top_k,
+            "tokens_per_iteration": self.cfg.training.global_batch_size * self.cfg.model.seq_length})
+
+    def log_routing(self, iteration: int, trace, metrics: MetricsLogger) -> None:
+        """Rank 0: the iteration's [source, expert] counts to the trace, and every
+        `logging.image_interval` iterations the layer x expert heatmap to TensorBoard."""
+        routed = self.routed_per_source  # [dp, L, E + 1]
+        if routed is None or not metrics.enabled:
+            return
+        if trace is not None:
+            trace.append(iteration, routed[..., :-1].transpose(0, 1).numpy(), routed[..., -1].T.numpy())
+        interval = self.cfg.logging.image_interval
+        if metrics.tensorboard and interval and iteration % interval == 0:
+            from megatron_moe.moe.load_plots import figure_rgb, heatmap_figure
+
+            metrics.image("expert_load/heatmap", figure_rgb(heatmap_figure(routed[..., :-1].sum(0).numpy(), iteration)),
+                          iteration)

@@ -63,7 +63,12 @@ def reference(tmp_path_factory):
     (4, ["parallel.expert=2"]),  # data parallel 4, expert data parallel 2
     (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
     (8, ["parallel.expert=4", "parallel.expert_shard=2"]),
-], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2"])
+    # Parm schedules (moe/schedules/parm.py)
+    (2, ["parallel.tensor=2", "moe.schedule=s1"]),
+    (4, ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=s2", "moe.saa=true"]),
+    (4, ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",
+         "perf.hardware_profile=configs/hardware/parm_testbed_b.yaml"]),
+], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2", "tp2-s1", "tp2-ep2-s2-saa", "tp2-ep2-auto"])
 def test_layout_invariance(reference, nproc, layout, tmp_path):
     records, _ = train(nproc, INVARIANCE + layout, tmp_path)
     assert [r["iteration"] for r in records] == [r["iteration"] for r in reference] == [1, 2, 3, 4]
@@ -74,14 +79,21 @@ def test_layout_invariance(reference, nproc, layout, tmp_path):
         assert got["lr"] == ref["lr"]
     assert reference[-1]["loss"] != reference[0]["loss"]  # the runs did train
     assert any(v > 0 for v in records[0]["comm_bytes"].values())
+    # every MoE layer logs which schedule its forwards ran (auto: the one Parm Alg. 1 picked)
+    micro_batches = 8 // (nproc // 2 if "parallel.tensor=2" in layout else nproc)
+    expected = {"moe.schedule=s1": {"s1"}, "moe.schedule=s2": {"s2"}, "moe.schedule=auto": {"s1", "s2"}}
+    names = next((v for k, v in expected.items() if k in layout), {"baseline"})
+    for per_layer in (r["moe_schedule"] for r in records):
+        assert len(per_layer) == 2 and all(set(c) <= names and sum(c.values()) == micro_batches
+                                           for c in per_layer), per_layer
 
 
 def test_reference_metrics_and_config(reference, tmp_path):
     r = reference[0]
     keys = {"iteration", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_sec", "iter_time_ms", "comm_bytes",
-            "expert_load_imbalance"}
+            "expert_load_imbalance", "moe_schedule"}
     assert keys <= r.keys()
-    assert r["loss"] == pytest.approx(math.log(256), rel=0.05)  # an untrained byte model: ~uniform
+    assert r["loss"] == pytest.approx(math.log(1024), rel=0.05)  # untrained, embedded 1024-token BPE: ~uniform
     assert len(r["expert_load_imbalance"]) == 2 and all(x >= 1.0 for x in r["expert_load_imbalance"])
     assert r["comm_bytes"] == {}  # one process: no communication
 

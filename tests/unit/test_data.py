@@ -1,42 +1,20 @@
-"""Demo corpus and the layout-independent assignment of samples to ranks."""
+"""Layout-independent assignment of samples to ranks, and the `data.*` config rules."""
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
 from megatron_moe.config import ConfigError, load_config
-from megatron_moe.data import GlobalBatchSampler, build_datasets, check_data_config, collate, rank_micro_batches
-from megatron_moe.data.demo_corpus import MAX_BYTES, corpus_documents, split_fractions, split_tokens
+from megatron_moe.config.validate import validate_data_config
+from megatron_moe.data.batches import collate, global_batch, rank_micro_batches
+from megatron_moe.data.datasets import build_gpt_datasets_from_config
+from megatron_moe.data.indexed import IndexedDatasetBuilder
 
 
-def test_demo_corpus_samples():
-    docs = corpus_documents()
-    assert len(docs) > 100 and 1 << 20 < sum(map(len, docs)) <= MAX_BYTES
-    assert sum(d.count(b"\ndef ") for d in docs[:10]) > 5  # Python source
-    train_tokens, valid_tokens, test_tokens = split_tokens("90,10,0")
-    assert train_tokens.dtype == torch.int64 and int(train_tokens.max()) < 256
-    assert train_tokens.numel() + valid_tokens.numel() == sum(map(len, docs)) and test_tokens.numel() == 0
-    assert 0.03 < valid_tokens.numel() / train_tokens.numel() < 0.3  # whole documents, about 10%
-    train, valid = build_datasets(load_config(None, ["model.seq_length=16", "data.split=90,10,0"]))
-    assert len(train) == (train_tokens.numel() - 1) // 16 and len(valid) == (valid_tokens.numel() - 1) // 16
-    tokens, labels, mask = train[3]
-    assert torch.equal(tokens, train_tokens[48:64]) and torch.equal(labels, train_tokens[49:65])
-    assert mask.shape == (16,) and bool((mask == 1).all())
-    assert torch.equal(valid[0][0], valid_tokens[:16])
-    t, l, m = collate(train, [3, 5])
-    assert t.shape == l.shape == m.shape == (2, 16) and torch.equal(t[1], train[5][0])
-    with pytest.raises(ConfigError, match="no train or no valid"):
-        build_datasets(load_config(None, ["data.split=1,0,0"]))
-
-
-def test_global_batches_depend_on_seed_only_and_cover_each_epoch():
-    s = GlobalBatchSampler(num_samples=10, global_batch_size=4, seed=7)
-    first = [s.batch(i) for i in range(5)]  # 20 samples = 2 epochs
-    assert sorted(first[0] + first[1] + first[2][:2]) == list(range(10))
-    assert sorted(first[2][2:] + first[3] + first[4]) == list(range(10))
-    assert first[0] != sorted(first[0]) or first[1] != sorted(first[1])  # shuffled
-    again = GlobalBatchSampler(10, 4, 7)
-    assert [again.batch(i) for i in (3, 0)] == [first[3], first[0]]  # random access, same result
-    assert GlobalBatchSampler(10, 4, 8).batch(0) != first[0]
-    assert GlobalBatchSampler(10, 4, 7, shuffle=False).batch(3) == [2, 3, 4, 5]
+def test_global_batches_are_consecutive_sample_ranges():
+    assert global_batch(0, 4) == [0, 1, 2, 3] and global_batch(3, 4) == [12, 13, 14, 15]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -50,11 +28,64 @@ def test_micro_batches_are_layout_independent(dp):
             assert mb == samples[2 * j: 2 * j + 2]
 
 
-def test_data_config_errors():
-    with pytest.raises(ConfigError, match="data.path"):
-        check_data_config(load_config(None, ["data.path=[a]"]))
-    with pytest.raises(ConfigError, match="model.vocab_size=100"):
-        check_data_config(load_config(None, ["model.vocab_size=100"]))
-    with pytest.raises(ConfigError, match="data.split"):
-        split_fractions("a,b")
-    assert split_fractions("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
+def _byte_prefix(tmp_path, name="bytes", docs=40):
+    """An indexed dataset of `docs` documents of ByteTokenizer ids (vocab 261)."""
+    prefix = str(tmp_path / name)
+    builder = IndexedDatasetBuilder(prefix, dtype=np.uint16)
+    for i in range(docs):
+        builder.add_document(list(range(i, i + 30)) + [260], [31])
+    builder.finalize()
+    return prefix
+
+
+def test_data_config_rules(tmp_path):
+    prefix = _byte_prefix(tmp_path)
+    ok = [f"data.path=[{prefix}]", "data.tokenizer.type=ByteTokenizer", "model.vocab_size=261"]
+    assert validate_data_config(load_config(None, ok)) == 261
+    assert validate_data_config(load_config(None, ["model.vocab_size=4096"])) == 4096  # embedded, default vocab
+    bad = [
+        (ok[:2] + ["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 261"),
+        (["model.vocab_size=1000"], "model.vocab_size=1000 is smaller than the tokenizer's 4096"),
+        (ok[:1] + ["model.vocab_size=300"], "data.path needs data.tokenizer.type"),
+        (["data.tokenizer.type=ByteTokenizer", "model.vocab_size=9000"], "data.path is null"),
+        ([f"data.path=[{prefix}x]"] + ok[1:], "bytesx.idx: file not found"),
+        (["data.path=[0.5,a,b]"] + ok[1:], "data.path="),
+        ([f"data.path=[{prefix}]", "data.tokenizer.type=GPT2BPETokenizer"], "GPT2BPETokenizer needs a vocab file"),
+        (ok + ["data.split=a"], "data.split='a'"),
+        (ok + ["data.mask_prob=1.5"], "data.mask_prob=1.5"),
+    ]
+    for overrides, needle in bad:
+        with pytest.raises(ConfigError) as e:
+            validate_data_config(load_config(None, overrides))
+        assert needle in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
+
+
+def test_unknown_tokenizer_type_lists_registered_types():
+    from megatron_moe.config import validate_config
+
+    with pytest.raises(ConfigError, match=r"data.tokenizer.type='Nope' is not registered; .*GPT2BPETokenizer"):
+        validate_config(load_config(None, ["data.tokenizer.type=Nope"]), 1)
+
+
+def test_gpt_datasets_from_config(tmp_path):
+    prefix = _byte_prefix(tmp_path)
+    cfg = load_config(None, [f"data.path=[{prefix}]", "data.tokenizer.type=ByteTokenizer", "model.vocab_size=261",
+                             "model.seq_length=16", "data.split=90,10,0", "training.train_iters=5",
+                             "training.global_batch_size=4", "training.eval_iters=2", f"data.cache_dir={tmp_path}"])
+    train, valid = build_gpt_datasets_from_config(cfg)
+    assert len(train) >= 20 and len(valid) >= 8
+    batch = collate(train, [0, 1, 2])
+    assert set(batch) == {"tokens", "labels", "loss_mask"} and batch["tokens"].shape == (3, 16)
+    assert batch["tokens"].dtype == torch.int64 and torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+    assert list(tmp_path.glob("bytes.train.*.shuffle_index.npy"))  # indices cached in data.cache_dir
+    again, _ = build_gpt_datasets_from_config(cfg)
+    assert all(np.array_equal(train[i]["tokens"], again[i]["tokens"]) for i in range(20))
+    cfg.data.split = "1,0,0"
+    with pytest.raises(ConfigError, match="leaves the valid split without documents"):
+        build_gpt_datasets_from_config(cfg)
+
+
+def test_data_tools_do_not_import_torch():
+    code = ("import sys, megatron_moe.data.preprocess, megatron_moe.data.embedded_corpus, megatron_moe.data.blend; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -23,6 +23,9 @@ def test_paper_models_have_the_published_shapes():
         "proprophet_moe_gpt_dm": (24, 1024, 2048, 16), "flexmoe_gpt_moe_s": (12, 768, 3072, 32),
         "flexmoe_gpt_moe_l": (24, 2048, 8192, 64), "fastermoe_moe_gpt_s": (12, 1024, 2048, 16),
         "fastermoe_moe_gpt": (12, 2048, 4096, 16), "fastermoe_moe_gpt_l": (12, 4096, 8192, 16),
+        "flexmoe_bert_moe_s": (12, 768, 3072, 32), "flexmoe_bert_moe_l": (24, 1024, 4096, 64),
+        "fastermoe_moe_bert_deep": (24, 1024, 2048, 16), "fastermoe_moe_bert_wide": (12, 1024, 2048, 64),
+        "parm_bert_base_moe_a": (12, 768, 3072, 2), "parm_bert_base_moe_b": (12, 768, 3072, 8),
     }
     for name, (layers, hidden, ffn, experts) in cases.items():
         cfg = load_config(f"configs/papers/{name}.yaml")

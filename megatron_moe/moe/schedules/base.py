@@ -36,6 +36,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.experts import ExpertBatch, Experts
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router, Routing
+from megatron_moe.moe.stats import MoEStats
 
 
 @dataclass
@@ -66,6 +67,19 @@ class Schedule(ABC):
     def combine(self, expert_output: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Expert outputs [m, h] (this ESP shard's partial sums) -> y [n, h] for this rank's tokens."""
 
+    def stats(self, routed: Routed, placement: Placement) -> MoEStats:
+        """This forward's statistics (`MoELayer.last_stats`)."""
+        routing = routed.routing
+        return MoEStats(routing.tokens_per_expert, routing.dropped, placement.tokens_per_ep_rank(), self.cfg.moe.schedule)
+
     def run(self, routed: Routed, placement: Placement, experts: Experts) -> torch.Tensor:
         batch, ctx = self.dispatch(routed, placement)
         return self.combine(experts(batch, grad_scale=self.expert_grad_scale), ctx)
+
+
+def slots_by_expert(ids: torch.Tensor) -> torch.Tensor:
+    """ids Long[n, k] (or flat) with -1 for dropped choices -> Long[m]: the kept slots
+    (token * k + choice) ordered by expert, token order within an expert (stable)."""
+    ids = ids.flatten()
+    slots = torch.nonzero(ids >= 0).squeeze(1)
+    return slots[torch.argsort(ids[slots], stable=True)]

@@ -34,7 +34,7 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import Routed, Schedule
+from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
 from megatron_moe.tensor_parallel import reduce_from_tp_region
 
 ROUTING_KIND = "all_gather_routing"  # byte-counter labels of the metadata collectives
@@ -77,8 +77,7 @@ class BaselineSchedule(Schedule):
         ids = routing.expert_ids.masked_fill(~routing.kept, -1)  # [n, k], -1 = dropped
         ids = C.all_gather_v(ids, esp, sizes, ROUTING_KIND).flatten()  # [n_G * k]
         weights = C.all_gather_v_autograd(routing.weights, esp, sizes, ROUTING_KIND, backward="split")
-        slots = torch.nonzero(ids >= 0).squeeze(1)
-        slots = slots[torch.argsort(ids[slots], stable=True)]  # by expert; gathered order within an expert
+        slots = slots_by_expert(ids)  # by expert; gathered order within an expert
         local_counts = torch.bincount(ids[slots], minlength=router.num_experts)  # [E]
         counts = C.all_gather(local_counts, self.state.ep, kind=COUNTS_KIND).view(-1, router.num_experts)  # [ep, E]
         return BaselineRouted(routing, counts.cpu(), x, sizes, weights, slots)

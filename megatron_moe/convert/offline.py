@@ -1,0 +1,163 @@
+"""Offline checkpoint conversions on one process (`tools/convert_checkpoint.py`, docs/checkpoints.md).
+
+* `reshard`: rewrite a checkpoint with the chunks of another (tensor, expert, expert_shard)
+  layout, so each rank of the new layout reads exactly its own chunk (any layout can also load
+  any checkpoint directly; resharding offline just moves the work out of the job start);
+* `consolidate`: every global tensor in one safetensors file (+ meta and config as text);
+* `upcycle`: sparse upcycling (Komatsuzaki et al. 2023, §3.1): every expert of every layer starts
+  as that layer's dense FFN, the router as initialized from the seed; with top-k weights that sum
+  to one (top_k >= 2, renormalized) the MoE model computes exactly the dense model's function;
+* `export_hf` / `import_hf`: Hugging Face Mixtral (`convert/hf_mixtral.py`).
+
+Conversions work on full global tensors, so they need host memory for the whole checkpoint.
+Parameter identities (global shape, sharding) come from building the single-process model.
+RNG states are dropped (they belong to ranks of the old layout); AdamW moments, step counts,
+iteration and consumed samples are kept by `reshard`; `upcycle` and `import_hf` start a fresh
+optimizer at iteration 0.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron_moe.config import Config, load_config, validate_config
+from megatron_moe.config.load import to_yaml
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.inference import build_single_process_model
+from megatron_moe.training.checkpoint import (checkpoint_config, layout_dict, read_meta, resolve_checkpoint,
+                                              single_process_config, write_checkpoint_dir)
+from megatron_moe.training.checkpoint_io import ShardedEntry, full_entry, load_full, read_metadata
+
+SINGLE = ["parallel.tensor=1", "parallel.expert=1", "parallel.expert_shard=1", "parallel.pipeline=1",
+          "checkpoint.load=null"]
+
+
+def read_checkpoint(path: str, prefix: str = "") -> Tuple[str, dict, Dict[str, torch.Tensor]]:
+    """(verified checkpoint dir, meta.json, full global tensors whose keys start with `prefix`)."""
+    path = resolve_checkpoint(path)
+    keys = [k for k in read_metadata(path).state_dict_metadata if k.startswith(prefix)]
+    return path, read_meta(path), load_full(path, keys)
+
+
+def model_weights(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
+    path, _, tensors = read_checkpoint(path, "model/")
+    return path, {k[len("model/"):]: v for k, v in tensors.items()}
+
+
+def _param_of(key: str) -> str:
+    """`model/<name>` or `optim/<name>/<field>` -> <name>."""
+    return key[len("model/"):] if key.startswith("model/") else key[len("optim/"):].rsplit("/", 1)[0]
+
+
+def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.Tensor]) -> str:
+    """Weights (param name -> full tensor) as a checkpoint at iteration 0 without optimizer state."""
+    model = build_single_process_model(cfg)
+    expected = {name: p for name, p in model.named_parameters()}
+    if set(weights) != set(expected):
+        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+        raise ValueError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    entries = {}
+    for name, tensor in weights.items():
+        meta = expected[name].meta
+        shape = (meta.valid_rows,) + tuple(meta.global_shape[1:]) if meta.valid_rows else tuple(meta.global_shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {shape}")
+        entries[f"model/{name}"] = full_entry(tensor.to(torch.float32).contiguous())
+    meta = {"iteration": 0, "consumed_samples": 0, "layout": layout_dict(ParallelState.single_process()),
+            "has_optimizer": False, "trainer": {}}
+    return write_checkpoint_dir(out_root, 0, entries, meta, to_yaml(cfg), None)
+
+
+# -- reshard / consolidate ------------------------------------------------------------------------
+def reshard(path: str, out_root: str, tensor: int, expert: int, expert_shard: int) -> str:
+    """Rewrite checkpoint `path` with the chunks of layout (tensor, expert, expert_shard)."""
+    path, meta, tensors = read_checkpoint(path)
+    world = math.lcm(tensor, expert * expert_shard)
+    cfg = checkpoint_config(path, [f"parallel.tensor={tensor}", f"parallel.expert={expert}",
+                                   f"parallel.expert_shard={expert_shard}", "checkpoint.load=null"])
+    validate_config(cfg, world)
+    layout = RankLayout(world_size=world, tensor=tensor, expert=expert, expert_shard=expert_shard)
+    states = [ParallelState.build(layout, r) for r in range(world)]
+    metas = {name: p.meta for name, p in build_single_process_model(single_process_config(path)).named_parameters()}
+    entries: Dict[str, ShardedEntry] = {}
+    for key, full in tensors.items():
+        if key.startswith("rng/"):
+            continue  # per-rank streams of the old layout
+        if key.endswith("/step"):
+            entries[key] = full_entry(full)
+            continue
+        pmeta, chunks = metas[_param_of(key)], {}
+        for state in states:
+            offsets = pmeta.offsets(state)
+            sizes = list(pmeta.local_shape(state))
+            sizes[0] = min(sizes[0], full.shape[0] - offsets[0])  # cut padded vocabulary rows
+            if sizes[0] > 0:
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+                chunks[tuple(offsets)] = full[index].contiguous()
+        entries[key] = ShardedEntry(tuple(full.shape), [(t, o) for o, t in chunks.items()])
+    new_meta = dict(meta, layout=layout_dict(states[0]))
+    return write_checkpoint_dir(out_root, meta["iteration"], entries, new_meta, to_yaml(cfg), None)
+
+
+def consolidate(path: str, out_file: str) -> None:
+    """Every global tensor of checkpoint `path` in one safetensors file; meta.json and the config
+    ride along as text in the file's metadata."""
+    from safetensors.torch import save_file
+
+    path, meta, tensors = read_checkpoint(path)
+    tensors = {k: v.contiguous() for k, v in tensors.items() if not k.startswith("rng/")}
+    save_file(tensors, out_file, metadata={"meta": json.dumps(meta), "config": to_yaml(checkpoint_config(path))})
+
+
+# -- upcycling ----------------------------------------------------------------------------------
+# dense FFN param -> (expert param, one expert's slice): fc1 [W, h] -> w1[e] [h, W], fc2 [h, f] -> w2[e] [f, h]
+_UPCYCLE = {"fc1.weight": ("w1", torch.t), "fc1.bias": ("b1", lambda t: t),
+            "fc2.weight": ("w2", torch.t), "fc2.bias": ("b2", lambda t: t)}
+
+
+def upcycle(path: str, num_experts: int, out_root: str) -> str:
+    """Dense checkpoint -> MoE checkpoint with `num_experts` copies of each layer's FFN (every layer MoE)."""
+    path, dense = model_weights(path)
+    cfg = checkpoint_config(path, SINGLE)
+    moe_layers = [i for i in range(cfg.model.num_layers) if f"layers.{i}.ffn.router.weight" in dense]
+    if moe_layers:
+        raise ValueError(f"upcycle needs a dense checkpoint (moe.layer_freq > model.num_layers); "
+                         f"layer {moe_layers[0]} is already MoE")
+    target = checkpoint_config(path, SINGLE + [f"moe.num_experts={num_experts}", "moe.layer_freq=1",
+                                               f"moe.expert_ffn_hidden_size={cfg.model.ffn_hidden_size}"])
+    if target.moe.top_k > num_experts:
+        raise ValueError(f"--num-experts {num_experts} is smaller than moe.top_k={target.moe.top_k}")
+    routers = {name: p.detach() for name, p in build_single_process_model(target).named_parameters()
+               if name.endswith("router.weight")}
+    weights = {}
+    for name, tensor in dense.items():
+        prefix, _, leaf = name.partition(".ffn.")
+        if not leaf:
+            weights[name] = tensor
+            continue
+        expert_name, per_expert = _UPCYCLE[leaf]
+        weights[f"{prefix}.ffn.experts.{expert_name}"] = per_expert(tensor).unsqueeze(0).expand(
+            num_experts, *per_expert(tensor).shape).contiguous()
+        weights.setdefault(f"{prefix}.ffn.router.weight", routers[f"{prefix}.ffn.router.weight"])
+    return write_model_checkpoint(out_root, target, weights)
+
+
+# -- Hugging Face -------------------------------------------------------------------------------
+def export_hf(path: str, out_dir: str) -> None:
+    from megatron_moe.convert import hf_mixtral
+
+    path, weights = model_weights(path)
+    cfg = checkpoint_config(path, SINGLE)
+    hf_mixtral.write_hf_dir(out_dir, hf_mixtral.hf_config(cfg), hf_mixtral.to_hf(cfg, weights))
+
+
+def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = ()) -> str:
+    """HF Mixtral directory -> our checkpoint; training settings from `base_config` (+ overrides)."""
+    from megatron_moe.convert import hf_mixtral
+
+    hf_cfg, tensors = hf_mixtral.read_hf_dir(hf_dir)
+    cfg = load_config(base_config, hf_mixtral.config_overrides_from_hf(hf_cfg) + SINGLE + list(overrides))
+    return write_model_checkpoint(out_root, cfg, hf_mixtral.from_hf(cfg, tensors))

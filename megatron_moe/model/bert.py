@@ -1,0 +1,100 @@
+"""BERT-MoE: a bidirectional encoder (Devlin et al. 2019, §3) whose FFNs are MoE layers, with the
+masked-LM head and the binary head of BERT pretraining, tensor-parallel as in Megatron-LM's BERT.
+
+    x   = dropout(word[tokens] + position + token_type[token_types])           [b, s, h]
+    x   = TransformerLayer(causal=False)(x, padding_mask)  x num_layers; final norm
+    MLM = norm(gelu(dense(x))) @ word^T + bias       tied, vocab-parallel [b, s, V_padded/tp]
+          -> vocab-parallel cross-entropy on the masked positions (loss_mask) = `lm_loss`
+    bin = head(tanh(pooler(x[:, 0])))                [b, 2] on [CLS]; cross-entropy = `binary_loss`
+          (sentence-order prediction, Lan et al. 2020 §4.1, or next-sentence prediction, BERT §3.1,
+          per `model.binary_head`; none = no head)
+
+Everything outside the vocabulary-parallel embedding/projection and the attention/FFN blocks is
+replicated across TP; parameters are initialized from `training.seed` independently of the layout.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.embedding import Embedding
+from megatron_moe.model.norm import build_norm
+from megatron_moe.model.output import ModelOutput
+from megatron_moe.model.param_meta import ParamMeta, init_model_from_seed_, make_param
+from megatron_moe.model.transformer import TransformerLayer
+from megatron_moe.tensor_parallel import DropoutRNG, copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
+
+NUM_TOKEN_TYPES = 2  # segment A, segment B
+
+
+class Dense(torch.nn.Module):
+    """y = x W^T + b with W `[out, in]` replicated across TP (small heads)."""
+
+    def __init__(self, in_features: int, out_features: int, state: ParallelState, std: float):
+        super().__init__()
+        self.weight = make_param(ParamMeta("dense", (out_features, in_features), std=std), state)
+        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros"), state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class BertMoEModel(torch.nn.Module):
+    def __init__(self, cfg: Config, state: ParallelState):
+        super().__init__()
+        m = cfg.model
+        self.cfg, self.state = cfg, state
+        self.dropout_rng = DropoutRNG(cfg.training.seed, state)
+        self.embedding = Embedding(m, state, self.dropout_rng, num_token_types=NUM_TOKEN_TYPES)
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(cfg, state, i, self.dropout_rng, causal=False) for i in range(m.num_layers))
+        self.final_norm = build_norm(m, state)
+        # MLM head: transform, then the tied word embedding and a vocab-parallel bias
+        self.mlm_dense = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
+        self.mlm_norm = build_norm(m, state)
+        self.mlm_bias = make_param(ParamMeta("dense", (padded_vocab_size(m.vocab_size, state.tp_size),), [(0, "tp")],
+                                             init="zeros"), state)
+        self.pooler = self.binary_head = None
+        if m.binary_head != "none":
+            self.pooler = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
+            self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
+        init_model_from_seed_(self, cfg.training.seed, state)
+
+    def moe_layers(self) -> List[torch.nn.Module]:
+        return [layer.ffn for layer in self.layers if layer.is_moe]
+
+    def forward(self, tokens: torch.Tensor, token_types: torch.Tensor, padding_mask: torch.Tensor,
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                binary_labels: Optional[torch.Tensor] = None) -> ModelOutput:
+        """tokens, token_types, padding_mask (1 = real token), labels, loss_mask (1 = masked position
+        to predict) `[b, s]`, binary_labels `[b]`; all replicated across TP."""
+        x = self.embedding(tokens, token_types)  # [b, s, h]
+        aux_losses = []
+        for layer in self.layers:
+            x, aux_loss = layer(x, padding_mask)
+            if aux_loss is not None:
+                aux_losses.append(aux_loss)
+        x = self.final_norm(x)
+        aux_loss = torch.stack(aux_losses).sum() if aux_losses else torch.zeros((), device=x.device)
+        moe_stats = [moe.last_stats for moe in self.moe_layers()]
+        logits = self._mlm_logits(x)  # [b, s, V_padded/tp]
+        binary_logits = None
+        if self.binary_head is not None:
+            binary_logits = self.binary_head(torch.tanh(self.pooler(x[:, 0]))).float()  # [b, 2]
+        if labels is None:
+            return ModelOutput(logits, None, aux_loss, moe_stats)
+        losses = vocab_parallel_cross_entropy(logits, labels, self.state.tp, self.cfg.model.vocab_size)  # [b, s]
+        mask = loss_mask.float() if loss_mask is not None else torch.ones_like(losses)
+        lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        binary_loss = None
+        if binary_logits is not None and binary_labels is not None:
+            binary_loss = F.cross_entropy(binary_logits, binary_labels.long())
+        return ModelOutput(None, lm_loss, aux_loss, moe_stats, binary_loss)
+
+    def _mlm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlm_norm(F.gelu(self.mlm_dense(x)))  # [b, s, h]
+        return F.linear(copy_to_tp_region(h, self.state.tp), self.embedding.word.weight, self.mlm_bias)

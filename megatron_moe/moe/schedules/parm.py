@@ -1,0 +1,317 @@
+"""Parm's dedicated MP+EP+ESP schedules (Pan et al., "Parm", §III-V): PauseMP S1 and S2,
+EP&ESP-AlltoAll, SAA, and the automatic choice between S1 and S2.
+
+The baseline (`baseline.py`, Fig. 3(a)) routes and computes each token once per TP rank. PauseMP
+splits the TP-replicated micro-batch over the TP group instead (MP-Split) and restores it at the
+end (MP-AllGather), so every token is computed once: `expert_grad_scale` = 1.
+
+S1, Fig. 3(b) (`moe.schedule: s1`)
+  1. MP-Split before the gate: TP rank t keeps tokens [o_t, o_t + n_t) (n_t = n / tp, the first
+     n % tp ranks one more).
+  2. Gate on those tokens. Per-expert counts are all-gathered over `tp`, so capacity positions
+     (`capacity_keep(prior_counts=...)`) and the aux-loss fractions f_e cover the whole
+     micro-batch; the aux/z-loss token sums are all-reduced. Routing, drops, losses = baseline's.
+  3. EP&ESP-AlltoAll, experts, EP&ESP-AlltoAll + local combine (below).
+  4. Gate-weighted combine of the own tokens, MP-AllGather [n, h]: Eq. 11's AG_MP(BLM).
+S2, Fig. 3(c) (`moe.schedule: s2`)
+  1. Gate on the replicated micro-batch (the same routing on every TP rank).
+  2. MP-Split after the gate: expert e's m_e kept assignments (token order) are dealt to the TP
+     ranks in contiguous chunks (m_e / tp, the first m_e % tp ranks one more).
+  3. EP&ESP-AlltoAll, experts, EP&ESP-AlltoAll + local combine.
+  4. MP-AllGather of the expert outputs (AG_MP(ETM)), gate-weighted combine on every TP rank.
+SAA, §III-D / Fig. 5 (`moe.saa: true`; false = AAS, all-to-all then all-gather)
+  S2's second EP&ESP-AlltoAll runs as N_EP phases of point-to-point exchanges on `ep_esp`: in
+  phase i every rank (p, j) sends to EP rank (p + i) mod N_EP's shard holders and receives the
+  partial sums of the N_ESP shards of EP rank (p - i) mod N_EP, adds them (local combine) and
+  starts their all-gather on `tp` while phase i + 1 runs (two groups, concurrent). The paper's
+  phases are one per peer; grouping the N_ESP shards of one EP rank into a phase lets the
+  MP-AllGather carry combined rows (ETM) rather than N_ESP partial sums. The same phased
+  exchange is the backward of S2's dispatch (reverse all-to-all, then the MP-Split's all-gather).
+auto, §V / Alg. 1 (`moe.schedule: auto`, `perf.hardware_profile`)
+  Gates like S2, then picks S1 or S2 (with SAA, or AAS when `moe.saa` is false) per layer and
+  forward from the routed counts (`perf/parm_model.py`), identical on the TP ranks that must agree. `ep_esp` peers in
+  other TP groups may pick differently: both move rows with the same `ep_esp` collectives (with
+  SAA, the phased exchange in both). S1 picked: tokens and combine weights are MP-Split after
+  the gate. `MoEStats.schedule` records the pick.
+
+EP&ESP-AlltoAll, §III-C / Fig. 4(c)(d): one all-to-all-v over `ep_esp` whose Placement sources
+are its ep * esp ranks. Local Dump: a row for EP rank q goes to each of q's N_ESP shard holders
+(ep_esp rank q * esp + j). Local combine: the N_ESP partial sums returned for a row are added
+(b2 counted once, `experts.py`). The return trip is the dispatch's adjoint, and vice versa.
+
+Gradients (`moe/layer.py` contract: every TP rank back-propagates the same loss). An MP-Split of
+a replicated tensor back-propagates as an all-gather of the pieces' gradients; an MP-AllGather
+whose result every TP rank uses alike, as "keep own rows". S1's gate sees only the own tokens, so
+the router weight enters through `copy_to_tp_region` (identity forward, all-reduce backward: the
+full router gradient on every TP rank, which the trainer averages over tp) and the aux-loss sums
+through `reduce_from_tp_region` (every TP rank back-propagates the same aux loss, so the
+all-reduce's backward is the identity). S2 and auto gate on every TP rank: full router gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+from operator import add
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron_moe.distributed import collectives as C
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.moe.experts import ExpertBatch
+from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.router import Router, Routing, capacity_keep, expert_capacity, router_logits, top_k_gating
+from megatron_moe.moe.schedules import SCHEDULES
+from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
+from megatron_moe.moe.stats import MoEStats
+from megatron_moe.perf.hardware import load_profile
+from megatron_moe.perf.parm_model import choose_schedule, dispatched_assignments
+from megatron_moe.tensor_parallel import copy_to_tp_region, reduce_from_tp_region
+
+COUNTS_KIND = "all_gather_counts"  # byte-counter labels of the metadata collectives
+ROUTING_KIND = "all_gather_routing"
+SAA_KIND = "all_to_all_p2p"  # SAA's phased all-to-all: bytes actually sent (own slice excluded)
+
+
+@dataclass
+class ParmRouted(Routed):
+    choice: str  # "s1" (tokens split over tp) | "s2" (each expert's assignments split over tp)
+    tokens: torch.Tensor  # [n_src, h] S1: this TP rank's tokens; S2: the whole micro-batch
+    weights: torch.Tensor  # [n_src, k] combine weights of `tokens`
+    # Long[m] kept slots (token * k + choice) of `tokens`, experts ascending: S1 this rank's;
+    # S2 every TP rank's piece, in TP rank order
+    slots: torch.Tensor
+    piece_rows: Optional[List[int]]  # S2: rows of each TP rank's piece of `slots`; S1: None
+    token_sizes: Optional[List[int]]  # S1: tokens of each TP rank (its MP-AllGather); S2: None
+    dropped: int  # assignments of the whole micro-batch dropped by capacity
+
+
+def _even_split(n: int, parts: int) -> List[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
+    return t.cumsum(0) - t
+
+
+def _block_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Long[sum(lengths)]: the indices of blocks [starts[b], starts[b] + lengths[b]), concatenated."""
+    within = torch.arange(int(lengths.sum()), device=lengths.device)
+    within = within - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
+    return torch.repeat_interleave(starts, lengths) + within
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _kept_slots(expert_ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Long[m]: kept slots (token * k + choice) ordered by expert, token order within an expert."""
+    return slots_by_expert(expert_ids.masked_fill(~kept, -1))
+
+
+def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) -> Routing:
+    """S1 step 2: route this TP rank's `piece` [n_t, h] of a `num_tokens`-token micro-batch with
+    the whole micro-batch's capacity positions and losses (router.py's math)."""
+    num_experts, k = router.num_experts, router.top_k
+    logits = router_logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
+    probs, expert_ids, weights = top_k_gating(logits, k)
+    counts = torch.bincount(expert_ids.flatten(), minlength=num_experts)
+    counts = C.all_gather(counts, tp, kind=COUNTS_KIND).view(tp.size, num_experts)  # [tp, E]
+    tokens_per_expert = counts.sum(0)
+    capacity = expert_capacity(num_tokens, num_experts, k, router.capacity_factor)
+    kept = capacity_keep(expert_ids, num_experts, capacity, prior_counts=counts[: tp.rank].sum(0))
+    # token sums of the router probabilities and of logsumexp^2 over the whole micro-batch [E + 1]
+    sums = torch.cat([probs.sum(0), torch.logsumexp(logits, dim=-1).pow(2).sum().view(1)])
+    sums = reduce_from_tp_region(sums, tp) / num_tokens
+    fraction = tokens_per_expert.float() / (num_tokens * k)  # f_e of load_balancing_loss
+    aux_loss = (router.aux_loss_coeff * num_experts * (fraction * sums[:num_experts]).sum()
+                + router.z_loss_coeff * sums[num_experts])
+    return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss)
+
+
+class EpEspExchange:
+    """EP&ESP-AlltoAll of this rank for one forward (§III-C) with, for S2, the MP-Split before it
+    and the MP-AllGather after it. `down`: rows [m, h] -> expert batch rows; `up`: expert outputs
+    -> rows [m, h]; each is the other's backward (`_Exchange`)."""
+
+    def __init__(self, state: ParallelState, placement: Placement, piece_rows: Optional[List[int]],
+                 saa: bool, device: torch.device):
+        self.state, self.piece_rows, self.saa = state, piece_rows, saa
+        source, p, esp = state.ep_esp.rank, state.ep.rank, state.esp_size
+        self.per_ep = placement.send_splits(source)  # [ep] own rows for each EP rank
+        send_order = torch.argsort(placement.destinations(source), stable=True)  # by destination EP rank
+        per_ep = torch.tensor(self.per_ep, dtype=torch.long)
+        dumped = _block_index(_exclusive_cumsum(per_ep).repeat_interleave(esp), per_ep.repeat_interleave(esp))
+        self.dump = send_order[dumped].to(device)  # local Dump: EP rank q's block once per shard holder
+        self.send_order = send_order.to(device)
+        self.send_splits = [n for n in self.per_ep for _ in range(esp)]  # [ep * esp]
+        self.recv_splits = placement.recv_splits(p)  # [ep * esp] rows from each source
+        self.recv_order = placement.receive_order(p).to(device)  # source-major -> expert-major
+        self.recv_inverse = _inverse(self.recv_order)
+        self.rows = int(per_ep.sum())
+        self.offset = sum(piece_rows[: state.tp.rank]) if piece_rows else 0
+        self.peers = self._peers(device) if saa else None
+
+    def down(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.piece_rows is not None:  # MP-Split (S2)
+            rows = rows.narrow(0, self.offset, self.rows)
+        received = C.all_to_all_v(rows.index_select(0, self.dump), self.send_splits, self.recv_splits,
+                                  self.state.ep_esp)
+        return received.index_select(0, self.recv_order)
+
+    def up(self, out: torch.Tensor) -> torch.Tensor:
+        out = out.index_select(0, self.recv_inverse)  # source-major
+        if self.saa:
+            return self._phased_up(out)
+        returned = C.all_to_all_v(out, self.recv_splits, self.send_splits, self.state.ep_esp)
+        rows = out.new_zeros((self.rows, out.shape[1])).index_add_(0, self.dump, returned)  # local combine
+        return C.all_gather_v(rows, self.state.tp, self.piece_rows) if self.piece_rows is not None else rows
+
+    # -- SAA ------------------------------------------------------------------------------------
+    def _peers(self, device) -> List[Tuple[int, List[int], torch.Tensor]]:
+        """(EP rank, rows per EP rank [ep], send order) of every rank whose rows `up` returns:
+        this rank alone, or with S2 its TP group (exchanged once: placements differ per ep_esp group)."""
+        own = (self.state.ep.rank, self.per_ep, self.send_order)
+        tp = self.state.tp
+        if self.piece_rows is None or tp.size == 1:
+            return [own]
+        ep = len(self.per_ep)
+        local = torch.cat([torch.tensor(self.per_ep, dtype=torch.long, device=device), self.send_order])
+        gathered = C.all_gather_v(local, tp, [ep + n for n in self.piece_rows], kind=ROUTING_KIND)
+        peers = []
+        for rank, meta in zip(tp.ranks, gathered.split([ep + n for n in self.piece_rows])):
+            peers.append((self.state.layout.coords(rank)["ep"], meta[:ep].tolist(), meta[ep:]))
+        return peers
+
+    def _phased_up(self, out: torch.Tensor) -> torch.Tensor:
+        """SAA (Fig. 5): phase i receives EP rank (p - i)'s shards' partial sums, combines them and
+        all-gathers them on tp while phase i + 1's point-to-point exchange runs."""
+        state, hidden = self.state, out.shape[1]
+        ep_esp, esp, ep, p = state.ep_esp, state.esp_size, state.ep_size, state.ep.rank
+        blocks = out.split(self.recv_splits)  # partial sums for each source
+        gathers = []
+        for phase in range(ep):
+            to, frm = (p + phase) % ep, (p - phase) % ep
+            sends = [(to * esp + j, blocks[to * esp + j]) for j in range(esp) if to * esp + j != ep_esp.rank]
+            parts = [blocks[ep_esp.rank] if frm * esp + j == ep_esp.rank else out.new_empty((self.per_ep[frm], hidden))
+                     for j in range(esp)]
+            recvs = [(frm * esp + j, parts[j]) for j in range(esp) if frm * esp + j != ep_esp.rank]
+            for request in C.p2p_exchange(sends, recvs, ep_esp, kind=SAA_KIND):
+                request.wait()
+            combined = reduce(add, parts)  # local combine [rows for EP rank frm, h]
+            sizes = [per_ep[(q - phase) % ep] for q, per_ep, _ in self.peers]
+            gathers.append(C.all_gather_v_async(combined, state.tp, sizes) if len(self.peers) > 1
+                           else C.PendingGather(None, [combined], sizes))
+        by_phase = [g.wait().split(g.sizes) for g in gathers]  # [phase][peer] block
+        pieces = []
+        for t, (q_t, _, send_order) in enumerate(self.peers):
+            in_send_order = torch.cat([by_phase[(q_t - q) % ep][t] for q in range(ep)])
+            pieces.append(torch.empty_like(in_send_order).index_copy_(0, send_order, in_send_order))
+        return torch.cat(pieces)
+
+
+class _Exchange(torch.autograd.Function):
+    """EP&ESP-AlltoAll as autograd: `down` (dispatch) and `up` (combine) are each other's backward."""
+
+    @staticmethod
+    def forward(ctx, x, exchange: EpEspExchange, direction: str):
+        ctx.exchange, ctx.direction = exchange, direction
+        return exchange.down(x) if direction == "down" else exchange.up(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        return (ctx.exchange.up(grad) if ctx.direction == "down" else ctx.exchange.down(grad)), None, None
+
+
+class ParmSchedule(Schedule):
+    """What S1, S2 and auto share: the ep_esp counts, dispatch, combine and statistics."""
+
+    expert_grad_scale = 1.0  # PauseMP: no token is computed twice
+
+    def _counts(self, local: torch.Tensor) -> torch.Tensor:
+        """Long[ep*esp, E] on the CPU: each ep_esp source's rows per expert (`local` [E] is ours)."""
+        return C.all_gather(local, self.state.ep_esp, kind=COUNTS_KIND).view(-1, local.numel()).cpu()
+
+    def _dropped(self, routing: Routing, num_tokens: int, router: Router) -> int:
+        capacity = expert_capacity(num_tokens, router.num_experts, router.top_k, router.capacity_factor)
+        return 0 if capacity is None else int((routing.tokens_per_expert - capacity).clamp(min=0).sum())
+
+    def _token_split(self, router: Router, routing: Routing, tokens: torch.Tensor, sizes: List[int]) -> ParmRouted:
+        """S1 from this TP rank's routed tokens."""
+        slots = _kept_slots(routing.expert_ids, routing.kept)
+        local = torch.bincount(routing.expert_ids.flatten()[slots], minlength=router.num_experts)
+        return ParmRouted(routing, self._counts(local), "s1", tokens, routing.weights, slots, None,
+                          sizes, self._dropped(routing, sum(sizes), router))
+
+    def _expert_split(self, router: Router, routing: Routing, x: torch.Tensor) -> ParmRouted:
+        """S2 step 2 from the whole micro-batch's routing: chunk t of every expert's assignments."""
+        tp = self.state.tp
+        slots = _kept_slots(routing.expert_ids, routing.kept)
+        kept = torch.bincount(routing.expert_ids.flatten()[slots], minlength=router.num_experts)  # [E]
+        ranks = torch.arange(tp.size, device=kept.device).unsqueeze(1)
+        chunks = kept // tp.size + (ranks < kept % tp.size).long()  # [tp, E]
+        starts = _exclusive_cumsum(kept) + torch.cumsum(chunks, 0) - chunks  # [tp, E] in `slots`
+        slots = slots[_block_index(starts.flatten(), chunks.flatten())]  # TP pieces, experts ascending
+        return ParmRouted(routing, self._counts(chunks[tp.rank]), "s2", x, routing.weights, slots,
+                          chunks.sum(1).tolist(), None, self._dropped(routing, x.shape[0], router))
+
+    def dispatch(self, routed: ParmRouted, placement: Placement) -> Tuple[ExpertBatch, Tuple]:
+        exchange = EpEspExchange(self.state, placement, routed.piece_rows, self.cfg.moe.saa, routed.tokens.device)
+        rows = routed.tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h]
+        p = self.state.ep.rank
+        batch = ExpertBatch(_Exchange.apply(rows, exchange, "down"), placement.experts_on(p), placement.expert_counts(p))
+        return batch, (routed, exchange)
+
+    def combine(self, expert_output: torch.Tensor, ctx: Tuple[ParmRouted, EpEspExchange]) -> torch.Tensor:
+        routed, exchange = ctx
+        rows = _Exchange.apply(expert_output, exchange, "up")  # [m, h] aligned with routed.slots
+        k = routed.weights.shape[1]
+        weighted = rows * routed.weights.flatten().index_select(0, routed.slots).unsqueeze(1)
+        y = weighted.new_zeros((routed.tokens.shape[0], weighted.shape[1])).index_add(0, routed.slots // k, weighted)
+        if routed.choice == "s1":  # MP-AllGather of the own tokens' outputs
+            y = C.all_gather_v_autograd(y, self.state.tp, routed.token_sizes, backward="split")
+        return y  # [n, h]
+
+    def stats(self, routed: ParmRouted, placement: Placement) -> MoEStats:
+        return MoEStats(routed.routing.tokens_per_expert, routed.dropped, placement.tokens_per_ep_rank(), routed.choice)
+
+
+@SCHEDULES.register("s1")
+class S1(ParmSchedule):
+    def route(self, router: Router, x: torch.Tensor) -> ParmRouted:
+        sizes = _even_split(x.shape[0], self.state.tp_size)
+        piece = C.split_v_autograd(x, self.state.tp, sizes)  # MP-Split [n_t, h]
+        return self._token_split(router, _route_tp_piece(router, piece, x.shape[0], self.state.tp), piece, sizes)
+
+
+@SCHEDULES.register("s2")
+class S2(ParmSchedule):
+    def route(self, router: Router, x: torch.Tensor) -> ParmRouted:
+        return self._expert_split(router, router(x), x)
+
+
+@SCHEDULES.register("auto")
+class Auto(ParmSchedule):
+    """Alg. 1 per layer and forward, on the routed counts (module docstring)."""
+
+    def __init__(self, cfg, state):
+        super().__init__(cfg, state)
+        self.profile = load_profile(cfg.perf.hardware_profile)
+
+    def route(self, router: Router, x: torch.Tensor) -> ParmRouted:
+        routing = router(x)  # replicated over tp: the same numbers, hence the same choice, on every TP rank
+        kept = torch.bincount(routing.expert_ids[routing.kept], minlength=router.num_experts).cpu()
+        state = self.state
+        choice = choose_schedule(self.profile, x.shape[0], x.shape[1], dispatched_assignments(kept, state.ep_size),
+                                 state.tp_size, state.esp_size, self.cfg.moe.saa)
+        if choice == "s2":
+            return self._expert_split(router, routing, x)
+        sizes = _even_split(x.shape[0], state.tp_size)
+        start, end = sum(sizes[: state.tp.rank]), sum(sizes[: state.tp.rank + 1])
+        piece = Routing(routing.expert_ids[start:end], C.split_v_autograd(routing.weights, state.tp, sizes),
+                        routing.kept[start:end], routing.tokens_per_expert, routing.aux_loss)
+        return self._token_split(router, piece, C.split_v_autograd(x, state.tp, sizes), sizes)

@@ -1,0 +1,282 @@
+"""Training checkpoints: what is saved, where, and how a run resumes (docs/checkpoints.md).
+
+A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
+
+* DCP tensor files (`checkpoint_io.py`), every tensor under its global identity:
+  `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`),
+  `optim/<param name>/exp_avg|exp_avg_sq` (AdamW moments share their parameter's sharding, so
+  they reshard with it), `optim/<param name>/step` (replicated scalar),
+  `rng/rank<r>/...` (torch CPU/CUDA generator and `DropoutRNG` states of rank r);
+* `meta.json`: iteration, consumed samples, the layout it was saved under;
+* `config.yaml`: the resolved config;
+* `manifest.json`: sizes + SHA-256 of all the above, written last.
+
+Replicated tensors are written once (DCP de-duplicates identical chunks). Padded vocabulary rows
+(`ParamMeta.valid_rows`) are not saved, so the padded size (which depends on the tensor degree)
+never reaches the checkpoint.
+
+Crash safety: everything is written into `iter_<k>.tmp/`, the manifest last; then the directory is
+renamed into place, the `latest` pointer file replaced atomically, and only then are old
+checkpoints beyond `checkpoint.keep_last` pruned. A kill at any moment leaves the previous
+checkpoint complete; a leftover `.tmp` is ignored and removed by the next save.
+
+Resume: the LR schedule and the data position are functions of the iteration (`training/lr.py`,
+`data/batches.py`), so iteration + weights + AdamW moments + RNG states give bitwise the same
+continuation on the same layout. On a different layout the per-rank RNG streams do not map onto
+the new ranks: they are left at their fresh seeds (dropout masks then differ; with dropout 0
+the continuation matches to float rounding).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_moe.config import Config
+from megatron_moe.config.load import load_config, to_yaml
+from megatron_moe.distributed import collectives
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.training.checkpoint_io import (CheckpointError, ShardedEntry, full_entry, load_entries, read_json,
+                                                 read_metadata, save_entries, verify_manifest, write_json,
+                                                 write_manifest)
+
+LATEST = "latest"
+META = "meta.json"
+CONFIG = "config.yaml"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+# -- state entries ------------------------------------------------------------------------------
+def param_entry(tensor: torch.Tensor, meta, state: ParallelState) -> ShardedEntry:
+    """This rank's shard of a parameter-shaped tensor under its global identity (padding rows cut)."""
+    shape, offsets = list(meta.global_shape), meta.offsets(state)
+    chunk = tensor.data
+    if meta.valid_rows is not None:
+        shape[0] = meta.valid_rows
+        chunk = chunk[: max(0, min(chunk.shape[0], meta.valid_rows - offsets[0]))]
+    return ShardedEntry(tuple(shape), [(chunk, offsets)] if chunk.dim() == 0 or chunk.shape[0] > 0 else [])
+
+
+def model_entries(model: torch.nn.Module, state: ParallelState) -> Dict[str, ShardedEntry]:
+    return {f"model/{name}": param_entry(p, p.meta, state) for name, p in model.named_parameters()}
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
+    st = optimizer.state.get(p, {})
+    return {"exp_avg": st.get("exp_avg", torch.zeros_like(p)), "exp_avg_sq": st.get("exp_avg_sq", torch.zeros_like(p)),
+            "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(())}
+
+
+def optimizer_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState,
+                      adam_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> Dict[str, ShardedEntry]:
+    """AdamW state per parameter name; `adam_states` (name -> tensors) overrides the live state."""
+    out = {}
+    for name, p in model.named_parameters():
+        st = adam_states[name] if adam_states is not None else _adam_state(optimizer, p)
+        out[f"optim/{name}/exp_avg"] = param_entry(st["exp_avg"], p.meta, state)
+        out[f"optim/{name}/exp_avg_sq"] = param_entry(st["exp_avg_sq"], p.meta, state)
+        out[f"optim/{name}/step"] = full_entry(st["step"])
+    return out
+
+
+def _rng_states(model: torch.nn.Module, state: ParallelState) -> Dict[str, torch.Tensor]:
+    prefix = f"rng/rank{state.rank}/"
+    out = {prefix + "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[prefix + "torch_cuda"] = torch.cuda.get_rng_state()
+    rng = getattr(model, "dropout_rng", None)
+    if rng is not None:
+        out.update({prefix + f"dropout/{key}": value for key, value in rng.state_dict().items()})
+    return out
+
+
+def _set_rng_states(model: torch.nn.Module, state: ParallelState, states: Dict[str, torch.Tensor]) -> None:
+    prefix = f"rng/rank{state.rank}/"
+    if prefix + "torch_cpu" in states:
+        torch.set_rng_state(states[prefix + "torch_cpu"])
+    if prefix + "torch_cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states[prefix + "torch_cuda"])
+    dropout = {k[len(prefix + "dropout/"):]: v for k, v in states.items() if k.startswith(prefix + "dropout/")}
+    if dropout:
+        model.dropout_rng.load_state_dict(dropout)
+
+
+def layout_dict(state: ParallelState) -> Dict[str, int]:
+    lay = state.layout
+    return {"world_size": lay.world_size, "tensor": lay.tensor, "pipeline": lay.pipeline,
+            "expert": lay.expert, "expert_shard": lay.expert_shard}
+
+
+# -- save ---------------------------------------------------------------------------------------
+def write_checkpoint_dir(root: str, iteration: int, entries: Dict[str, ShardedEntry], meta: dict, config_yaml: str,
+                         state: Optional[ParallelState], keep_last: int = 0) -> str:
+    """Collective (one process when `state` is None): write `entries` + metadata crash-safely as
+    `root/iter_<iteration>`; return its path.
+
+    tmp dir -> DCP files -> meta.json, config.yaml -> manifest.json -> rename -> `latest` -> prune."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    writer = state is None or state.rank == 0
+    if os.path.isdir(final):  # e.g. a SIGTERM save right after the periodic one: already complete
+        return final
+    if writer:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of saves that were killed
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(state)
+    save_entries(entries, tmp, single_process=state is None)
+    _barrier(state)
+    if writer:
+        write_json(os.path.join(tmp, META), meta)
+        with open(os.path.join(tmp, CONFIG), "w") as f:
+            f.write(config_yaml)
+        write_manifest(tmp)
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        with open(os.path.join(root, LATEST + ".tmp"), "w") as f:
+            f.write(os.path.basename(final) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+        _fsync_dir(root)
+        if keep_last > 0:
+            for old in checkpoint_dirs(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier(state)
+    return final
+
+
+def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    iteration: int, trainer_state: Optional[dict] = None) -> str:
+    """Collective: save the full training state after `iteration` under `checkpoint.dir`
+    (`trainer_state`: plain JSON counters of the trainer, returned as meta["trainer"] on load)."""
+    if not cfg.checkpoint.dir:
+        raise CheckpointError("checkpoint.dir is not set; cannot save a checkpoint")
+    entries = {**model_entries(model, state), **optimizer_entries(model, optimizer, state)}
+    entries.update({k: full_entry(v) for k, v in _rng_states(model, state).items()})
+    meta = {"iteration": iteration, "consumed_samples": iteration * cfg.training.global_batch_size,
+            "layout": layout_dict(state), "has_optimizer": True, "trainer": trainer_state or {}}
+    return write_checkpoint_dir(cfg.checkpoint.dir, iteration, entries, meta, to_yaml(cfg), state,
+                                cfg.checkpoint.keep_last)
+
+
+def _barrier(state: Optional[ParallelState]) -> None:
+    if state is not None and collectives.is_initialized():
+        collectives.barrier(state.world)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- find ---------------------------------------------------------------------------------------
+def checkpoint_dirs(root: str) -> List[str]:
+    """Renamed-into-place checkpoint directories under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(root) if (m := _ITER_DIR.match(name))]
+    return [os.path.join(root, name) for _, name in sorted(found)]
+
+
+def newest_complete(root: str) -> Optional[str]:
+    """The newest checkpoint under `root` that passes `verify_manifest` (skipping broken ones)."""
+    for path in reversed(checkpoint_dirs(root)):
+        try:
+            verify_manifest(path)
+            return path
+        except CheckpointError as exc:
+            print(f"checkpoint: skipping {path}: {exc}", flush=True)
+    return None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory, or a checkpoint root (-> its newest complete checkpoint), verified."""
+    if os.path.isfile(os.path.join(path, META)) or not checkpoint_dirs(path):
+        verify_manifest(path)
+        return path
+    found = newest_complete(path)
+    if found is None:
+        raise CheckpointError(f"{path} holds no complete checkpoint")
+    return found
+
+
+def load_path(cfg: Config) -> Optional[str]:
+    """The verified checkpoint `checkpoint.load` asks for, or None (start from scratch).
+    `auto`: the newest complete one under `checkpoint.dir`, None if there is none."""
+    ck = cfg.checkpoint
+    if ck.load is None:
+        return None
+    if ck.load == "auto":
+        if not ck.dir:
+            raise CheckpointError("checkpoint.load=auto needs checkpoint.dir")
+        return newest_complete(ck.dir)
+    return resolve_checkpoint(ck.load)
+
+
+# -- load ---------------------------------------------------------------------------------------
+def read_meta(path: str) -> dict:
+    return read_json(os.path.join(path, META))
+
+
+def checkpoint_config(path: str, overrides=()) -> Config:
+    """The resolved config saved in a checkpoint, with dotted `overrides` applied."""
+    return load_config(os.path.join(path, CONFIG), list(overrides))
+
+
+def single_process_config(path: str) -> Config:
+    """A checkpoint's config for one process (parallel degrees 1, nothing to load at start-up)."""
+    return checkpoint_config(path, ["parallel.tensor=1", "parallel.expert=1", "parallel.expert_shard=1",
+                                    "parallel.pipeline=1", "checkpoint.load=null"])
+
+
+def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    """Collective: load a verified checkpoint into `model` (and `optimizer`), resharding to this
+    layout; restore RNG states if the layout is unchanged. Returns its meta.json."""
+    meta = read_meta(path)
+    if optimizer is not None and meta["consumed_samples"] != meta["iteration"] * cfg.training.global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {path} consumed {meta['consumed_samples']} samples in {meta['iteration']} iterations, but "
+            f"training.global_batch_size={cfg.training.global_batch_size}: resuming needs the same global batch size")
+    entries = model_entries(model, state)
+    adam_states = None
+    if optimizer is not None and meta.get("has_optimizer"):
+        adam_states = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                              "step": torch.zeros((), dtype=torch.float32)} for name, p in model.named_parameters()}
+        entries.update(optimizer_entries(model, optimizer, state, adam_states))
+    same_layout = meta["layout"] == layout_dict(state)
+    rng = {}
+    if same_layout:
+        prefix = f"rng/rank{state.rank}/"
+        for key, md in read_metadata(path).state_dict_metadata.items():
+            if key.startswith(prefix):
+                rng[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                entries[key] = full_entry(rng[key])
+    with torch.no_grad():
+        load_entries(entries, path)
+    if adam_states is not None:
+        _set_adam_states(model, optimizer, adam_states)
+    _set_rng_states(model, state, rng)
+    return meta
+
+
+def _set_adam_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     adam_states: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    """Install per-name AdamW tensors through `load_state_dict` (it casts/moves them like torch does)."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    sd = optimizer.state_dict()
+    sd["state"] = {index[id(p)]: adam_states[name] for name, p in model.named_parameters() if id(p) in index}
+    optimizer.load_state_dict(sd)

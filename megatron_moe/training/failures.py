@@ -1,0 +1,65 @@
+"""Failure behaviour of the training loop (docs/running.md, "Preemption and failures").
+
+* Preemption / time limit: SIGTERM or SIGUSR1 (SLURM's `--signal=USR1@180` warning) on any rank
+  sets a flag; after every iteration all ranks all-reduce (max) their flags over `world`
+  (`COMM_STATS` kind "stop_flag", 4 bytes), so they all stop after the same iteration, save a
+  checkpoint and exit 0.
+* Non-finite loss or gradient: the global grad norm and the loss are identical on every rank, so
+  every rank takes the same decision without communication: `training.on_nonfinite: skip` drops
+  the update and counts it, `stop` raises `NonFiniteError` (exit code 3 from the entry point).
+* A dead rank is the launcher's business (torchrun's monitor, `srun --kill-on-bad-exit`): it
+  ends the others and names the failed rank; gloo peers also fail fast on the closed connection,
+  and `parallel.timeout_s` bounds a collective that never completes.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from typing import Sequence
+
+import torch
+
+from megatron_moe.distributed import collectives
+from megatron_moe.distributed.parallel_state import ParallelState
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+NONFINITE_EXIT = 3
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient with `training.on_nonfinite: stop`."""
+
+
+class StopRequest:
+    """Records SIGTERM/SIGUSR1 while installed (a context manager; old handlers come back on exit).
+    Python delivers signals to the main thread only: elsewhere (a trainer driven from a worker
+    thread) no handler is installed and only other ranks' flags count."""
+
+    def __init__(self, state: ParallelState, device: torch.device):
+        self.state, self.device = state, device
+        self.signal_name = None
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def agreed(self) -> bool:
+        """True on every rank iff a stop signal reached any rank (collective over `world`)."""
+        flag = torch.tensor([int(self.signal_name is not None)], dtype=torch.int32, device=self.device)
+        return bool(collectives.all_reduce(flag, self.state.world, op="max", kind="stop_flag").item())
+
+
+def all_finite(values: Sequence[float]) -> bool:
+    return all(math.isfinite(v) for v in values)

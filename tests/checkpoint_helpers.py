@@ -1,0 +1,31 @@
+"""Shared pieces of the checkpoint tests: a tiny synthetic dataset (no corpus to build, so spawned
+ranks start fast) and a Mixtral-shaped tiny config."""
+import numpy as np
+
+from megatron_moe.config import load_config
+
+MIXTRAL_TINY = "configs/mixtral_tiny.yaml"
+
+
+class SyntheticTokens:
+    """Sample i: seq_length + 1 tokens drawn from seed i; next-token labels, all positions count."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int):
+        self.n, self.seq, self.vocab = num_samples, seq_length, vocab_size
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = np.random.default_rng(i).integers(0, self.vocab, self.seq + 1, dtype=np.int64)
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": np.ones(self.seq, dtype=np.float32)}
+
+
+def synthetic_datasets(cfg):
+    n = max(1, cfg.training.train_iters) * cfg.training.global_batch_size
+    return SyntheticTokens(n, cfg.model.seq_length, cfg.model.vocab_size), None
+
+
+def mixtral_config(tmp, overrides=()):
+    return load_config(MIXTRAL_TINY, [f"training.run_dir={tmp}/run", f"checkpoint.dir={tmp}/ckpt",
+                                      "logging.tensorboard=false"] + list(overrides))

@@ -1,0 +1,117 @@
+"""Shared cases and checks of the MoE-layer exactness tests (every schedule against `tests/moe_reference.py`).
+
+A worker runs `run_layer` for each case on its rank: every data-parallel rank d has its own tokens
+xs[d] and upstream gradient gs[d] (identical on d's TP ranks) and back-propagates
+sum(y * gs[d]) + aux. `check_against_reference` then compares, for every rank, the output, aux
+loss, input gradient and routing statistics with the reference of micro-batch d, and every
+parameter gradient after emulating the trainer (SUM over `edp` for expert params / over `dp` for
+dense ones, divided by dp_size) with the reference gradient of the mean loss over all
+data-parallel micro-batches, sliced to the rank's shard.
+"""
+from typing import Dict, List
+
+import torch
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed import collectives as C
+from megatron_moe.distributed.parallel_state import RankLayout
+from megatron_moe.moe.layer import MoELayer
+from tests.moe_reference import load_full_weights_, random_full_weights, reference_moe
+
+B, S, H, FFN, E = 2, 4, 8, 8, 4  # micro-batch, sequence, hidden, expert FFN, experts
+FP32 = dict(rtol=1e-5, atol=1e-6)
+CASES = [  # (capacity_factor, top_k, activation, bias)
+    (None, 2, "gelu", True),
+    (1.0, 2, "swiglu", True),
+    (1.0, 1, "gelu", False),
+    (None, 1, "swiglu", False),
+]
+
+
+def case_config(index: int) -> Config:
+    capacity_factor, top_k, activation, bias = CASES[index]
+    cfg = Config()
+    cfg.model.hidden_size, cfg.model.activation, cfg.model.bias = H, activation, bias
+    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor = E, top_k, capacity_factor
+    cfg.moe.expert_ffn_hidden_size, cfg.moe.aux_loss_coeff, cfg.moe.z_loss_coeff = FFN, 0.1, 0.01
+    return cfg
+
+
+def case_data(index: int, dp: int):
+    """Config, full weights, and per data-parallel rank tokens xs[d] and upstream gradients gs[d]
+    [B, S, H]. Expert 0 is favoured (router column 0 and feature 0 shifted) so capacity drops."""
+    cfg = case_config(index)
+    full = random_full_weights(cfg, seed=index)
+    full["router.weight"][0, 0] += 2.0
+    gen = torch.Generator().manual_seed(100 + index)
+    xs = torch.randn(dp, B, S, H, generator=gen)
+    xs[..., 0] += 1.0
+    return cfg, full, xs, torch.randn(dp, B, S, H, generator=gen)
+
+
+def run_layer(state, cfg: Config, full, xs, gs) -> Dict:
+    """This rank's forward + backward of one MoE layer (cfg may name any schedule)."""
+    d = state.layout.coords(state.rank)["dp"]
+    layer = MoELayer(cfg, state, layer_index=0)
+    load_full_weights_(layer, full, state)
+    x = xs[d].clone().requires_grad_(True)
+    y, aux = layer(x)
+    ((y * gs[d]).sum() + aux).backward()
+    params = dict(layer.named_parameters())
+    return dict(y=y.detach(), aux=aux.detach(), dx=x.grad, stats=layer.last_stats,
+                grads={n: p.grad for n, p in params.items()},
+                meta={n: (p.meta.kind, p.meta.local_slices(state)) for n, p in params.items()})
+
+
+def reference(index: int, dp: int):
+    """Per micro-batch reference outputs, dL_d/dx_d, and weight gradients of mean_d L_d."""
+    cfg, full, xs, gs = case_data(index, dp)
+    weights = {n: t.clone().requires_grad_(True) for n, t in full.items()}
+    xs = [xs[d].reshape(B * S, H).clone().requires_grad_(True) for d in range(dp)]
+    refs = [reference_moe(x, weights, cfg) for x in xs]
+    loss = sum((ref.y * gs[d].reshape(B * S, H)).sum() + ref.aux_loss for d, ref in enumerate(refs)) / dp
+    loss.backward()
+    return refs, [x.grad * dp for x in xs], {n: w.grad for n, w in weights.items()}
+
+
+def check_against_reference(results: List[Dict], index: int, layout: RankLayout, label: str = "") -> list:
+    """results[rank] = `run_layer`'s dict for case `index`. Returns the per-micro-batch references."""
+    refs, ref_dx, ref_grads = reference(index, layout.data_parallel)
+    for rank, res in enumerate(results):
+        d = layout.coords(rank)["dp"]
+        where = f"{label} case {index} rank {rank}"
+        torch.testing.assert_close(res["y"].reshape(B * S, H), refs[d].y.detach(), **FP32,
+                                   msg=lambda m: f"{where} y: {m}")
+        torch.testing.assert_close(res["aux"], refs[d].aux_loss.detach(), **FP32, msg=lambda m: f"{where} aux: {m}")
+        torch.testing.assert_close(res["dx"].reshape(B * S, H), ref_dx[d], **FP32, msg=lambda m: f"{where} dx: {m}")
+        assert res["stats"].tokens_per_expert.tolist() == refs[d].tokens_per_expert, where
+        assert res["stats"].dropped == refs[d].dropped, where
+        for name, (kind, slices) in res["meta"].items():
+            replicas = layout.group_of("edp" if kind == "expert" else "dp", rank)
+            synced = sum(results[q]["grads"][name] for q in replicas) / layout.data_parallel
+            torch.testing.assert_close(synced, ref_grads[name][slices], **FP32, msg=lambda m: f"{where} {name}: {m}")
+    if CASES[index][0] is not None:
+        assert sum(ref.dropped for ref in refs) > 0, "capacity case dropped nothing"
+    return refs
+
+
+def balanced_layer_comm(state, cfg: Config):
+    """Bytes of one forward and one backward with deterministic, perfectly balanced routing
+    (dropless, k = 2): router = 10 * I, token t = 2 e_(t mod E) + e_(t+1 mod E), so token t chooses
+    experts t mod E and t+1 mod E and every expert gets 2 B S / E of each rank's tokens (also of
+    each contiguous quarter of them)."""
+    assert cfg.moe.top_k == 2 and cfg.moe.capacity_factor is None
+    full = random_full_weights(cfg, seed=7)
+    full["router.weight"] = 10.0 * torch.eye(E, H)
+    layer = MoELayer(cfg, state, layer_index=0)
+    load_full_weights_(layer, full, state)
+    t = torch.arange(B * S)
+    x = torch.zeros(B * S, H)
+    x[t, t % E], x[t, (t + 1) % E] = 2.0, 1.0
+    x = x.view(B, S, H).requires_grad_(True)
+    C.COMM_STATS.reset()
+    y, aux = layer(x)
+    forward = C.COMM_STATS.snapshot()
+    C.COMM_STATS.reset()
+    ((y * y.detach()).sum() + aux).backward()
+    return forward, C.COMM_STATS.snapshot()

@@ -1,0 +1,95 @@
+"""tools/convert_checkpoint.py (issue 4 §5): Hugging Face Mixtral export (logits match
+transformers) and import (round trip bit-identical), sparse upcycling (MoE output = dense output
+at step 0), offline resharding and consolidation (same model, target-layout chunks)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_moe import load_model
+from megatron_moe.convert import offline
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.training.checkpoint_io import read_metadata
+from megatron_moe.training.trainer import Trainer
+from tests.checkpoint_helpers import mixtral_config, synthetic_datasets
+from tests.unit.test_checkpoint import train
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["training.train_iters=2", "training.micro_batch_size=2", "training.global_batch_size=4",
+         "model.seq_length=16", "training.eval_interval=0", "checkpoint.save_interval=2", "model.vocab_size=96"]
+TOKENS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def mixtral_ckpt(tmp_path_factory):
+    """A trained (2 iterations) Mixtral-shaped checkpoint."""
+    tmp = tmp_path_factory.mktemp("mixtral")
+    Trainer(mixtral_config(tmp, SHORT), ParallelState.single_process(), datasets=synthetic_datasets).train()
+    return str(tmp / "ckpt")
+
+
+def test_export_hf_matches_transformers_and_round_trips(mixtral_ckpt, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    offline.export_hf(mixtral_ckpt, str(tmp_path / "hf"))
+    hf = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ours = load_model(mixtral_ckpt)
+    with torch.no_grad():
+        diff = (hf(TOKENS).logits - ours(TOKENS)).abs().max().item()
+    assert diff < 1e-4, diff
+    # import -> export is bit-identical; the imported checkpoint is the same model
+    offline.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+    offline.export_hf(str(tmp_path / "imported"), str(tmp_path / "hf2"))
+    first, second = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "hf2"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == \
+        json.loads((tmp_path / "hf2" / "config.json").read_text())
+    with torch.no_grad():
+        assert torch.equal(load_model(str(tmp_path / "imported"))(TOKENS), ours(TOKENS))
+
+
+def test_export_hf_refuses_non_mixtral_naming_the_option(tmp_path):
+    train(tmp_path, ["training.train_iters=1", "checkpoint.save_interval=1"])  # gpt_moe_tiny: layernorm, gelu, ...
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export-hf", "--input",
+                           str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: not Mixtral-shaped: model.normalization=layernorm (Mixtral uses rmsnorm)"
+
+
+def test_upcycled_moe_equals_dense_model(tmp_path):
+    # dense GPT (no MoE layer: layer_freq > num_layers) with biases, trained 1 step so they are non-zero
+    train(tmp_path, ["training.train_iters=1", "checkpoint.save_interval=1", "moe.layer_freq=3"])
+    offline.upcycle(str(tmp_path / "ckpt"), 4, str(tmp_path / "moe"))
+    dense, moe = load_model(str(tmp_path / "ckpt")), load_model(str(tmp_path / "moe"))
+    assert not dense.model.moe_layers() and len(moe.model.moe_layers()) == 2 and moe.cfg.moe.top_k == 2
+    tokens = TOKENS % 128
+    with torch.no_grad():
+        torch.testing.assert_close(moe(tokens), dense(tokens), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layer 0 is already MoE"):
+        offline.upcycle(str(tmp_path / "moe"), 4, str(tmp_path / "again"))
+
+
+def test_reshard_and_consolidate(mixtral_ckpt, tmp_path):
+    from safetensors import safe_open
+
+    out = offline.reshard(mixtral_ckpt, str(tmp_path / "t2e2s2"), tensor=2, expert=2, expert_shard=2)
+    md = read_metadata(out).state_dict_metadata
+    assert len(md["model/layers.0.ffn.experts.w1"].chunks) == 4  # ep x esp
+    assert len(md["optim/layers.0.attention.qkv.weight/exp_avg"].chunks) == 2  # tp
+    assert len(md["model/final_norm.weight"].chunks) == 1  # replicated: saved once
+    assert not [k for k in md if k.startswith("rng/")]
+    with torch.no_grad():
+        assert torch.equal(load_model(out)(TOKENS), load_model(mixtral_ckpt)(TOKENS))
+    offline.consolidate(mixtral_ckpt, str(tmp_path / "all.safetensors"))
+    _, _, full = offline.read_checkpoint(mixtral_ckpt)
+    with safe_open(str(tmp_path / "all.safetensors"), "pt") as f:
+        assert set(f.keys()) == {k for k in full if not k.startswith("rng/")}
+        assert torch.equal(f.get_tensor("optim/layers.1.ffn.experts.w2/exp_avg_sq"),
+                           full["optim/layers.1.ffn.experts.w2/exp_avg_sq"])
+        assert json.loads(f.metadata()["meta"])["iteration"] == 2

@@ -1,0 +1,129 @@
+"""Parm's automatic choice (Alg. 1, Eq. 12-14), alpha-beta fits, hardware profiles, config rules,
+and S1/S2/SAA/auto on one process against the reference."""
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_moe.config import ConfigError, load_config, validate_config
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
+from megatron_moe.perf.hardware import HardwareProfile, load_profile, save_profile
+from megatron_moe.perf.parm_model import (capacity_assignments, choose_schedule, dispatched_assignments,
+                                          schedule_times)
+from tests.distributed.moe_cases import CASES, case_data, check_against_reference, run_layer
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTBEDS = [ROOT / "configs/hardware/parm_testbed_a.yaml", ROOT / "configs/hardware/parm_testbed_b.yaml"]
+# Parm Table III (P only sizes the groups the profile was measured on; E cancels in E T = k f B L)
+GRID = dict(n_mp=(1, 2, 4), n_esp=(1, 2, 4), batch=(2, 4, 8), seq=(512, 1024, 2048),
+            hidden=(1024, 2048, 4096), f=(1.2, 2.4), k=(1, 2))
+
+
+def _closed_form(p: HardwareProfile, n_mp, n_esp, batch, seq, hidden, f, k, saa):
+    """Eq. 13 and Alg. 1 line 5 (SAA) or Eq. 7's sequential bound (AAS) written out, with
+    E T M N_ESP / N_MP elements per rank in each EP&ESP-AlltoAll: (t_D1, t_D2)."""
+    (ag_a, ag_b), (a2a_a, a2a_b), (o_a, o_b) = [(x.alpha, x.beta) for x in (p.mp_allgather, p.ep_esp_alltoall, p.saa)]
+    etm = k * f * batch * seq * hidden
+    t_d1 = 2 * (a2a_a + a2a_b * etm * n_esp / n_mp) + ag_a + ag_b * batch * seq * hidden
+    if saa:
+        return t_d1, a2a_a + a2a_b * etm * n_esp / n_mp + o_a + o_b * etm * n_esp / n_mp
+    return t_d1, 2 * (a2a_a + a2a_b * etm * n_esp / n_mp) + ag_a + ag_b * etm
+
+
+@pytest.mark.parametrize("path", TESTBEDS, ids=["testbed_a", "testbed_b"])
+@pytest.mark.parametrize("saa", [True, False], ids=["saa", "aas"])
+def test_alg1_matches_closed_form_on_table3_grid(path, saa):
+    profile = load_profile(str(path))
+    picks = set()
+    for n_mp, n_esp, batch, seq, hidden, f, k in itertools.product(*GRID.values()):
+        t_d1, t_d2 = _closed_form(profile, n_mp, n_esp, batch, seq, hidden, f, k, saa)
+        assignments = capacity_assignments(batch * seq, k, f)
+        times = schedule_times(profile, batch * seq, hidden, assignments, n_mp, n_esp, saa)
+        assert times == pytest.approx((t_d1, t_d2))
+        pick = choose_schedule(profile, batch * seq, hidden, assignments, n_mp, n_esp, saa)
+        assert pick == ("s1" if n_mp == 1 or t_d1 <= t_d2 else "s2"), (n_mp, n_esp, batch, seq, hidden, f, k)
+        picks.add(pick)
+    assert picks == ({"s1", "s2"} if saa else {"s1"})  # AAS: S2 only if E T < B L (here k f >= 1.2)
+    # §IV-B: with N_ESP = 1, S2 wins as T -> 0 and S1 as T -> infinity
+    assert choose_schedule(profile, 4096, 1024, 1, n_mp=2, n_esp=1, saa=saa) == "s2"
+    assert choose_schedule(profile, 4096, 1024, 1e9, n_mp=2, n_esp=1, saa=saa) == "s1"
+
+
+def test_online_assignments_follow_the_busiest_ep_rank():
+    assert capacity_assignments(8, 2, 1.0) == 16
+    assert dispatched_assignments(torch.tensor([4, 4, 4, 4]), 2) == 16  # balanced: k B L
+    assert dispatched_assignments(torch.tensor([6, 4, 4, 2]), 2) == 20  # EP rank 0 holds 10
+    assert dispatched_assignments(torch.tensor([6, 4, 4, 2]), 4) == 24
+    # threshold profile: t_D1 = B L M, t_D2 = 0.5 (E T) M N_ESP / N_MP -> S1 iff E T >= 32
+    profile = HardwareProfile("t", AlphaBeta(0, 1), AlphaBeta(0, 0), AlphaBeta(0, 0.5))
+    assert choose_schedule(profile, 8, 4, 16, n_mp=2, n_esp=1) == "s2"
+    assert choose_schedule(profile, 8, 4, 32, n_mp=2, n_esp=1) == "s1"
+    # AAS: t_D2 = AG_MP(E T M) against t_D1's AG_MP(B L M): S2 iff fewer assignments than tokens (drops)
+    assert choose_schedule(profile, 8, 4, 7, n_mp=2, n_esp=1, saa=False) == "s2"
+    assert choose_schedule(profile, 8, 4, 8, n_mp=2, n_esp=1, saa=False) == "s1"
+
+
+def test_fit_alpha_beta():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    exact = fit_alpha_beta(sizes, [2e-4 + 3e-9 * x for x in sizes])
+    assert exact.alpha == pytest.approx(2e-4) and exact.beta == pytest.approx(3e-9) and exact.r2 == pytest.approx(1.0)
+    noisy = fit_alpha_beta(sizes, [(2e-4 + 3e-9 * x) * (1 + 0.05 * (-1) ** i) for i, x in enumerate(sizes)])
+    assert 0.95 < noisy.r2 < 1.0 and noisy.beta == pytest.approx(3e-9, rel=0.1)
+    through_origin = fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.0])  # free fit has alpha < 0
+    assert through_origin.alpha == 0.0 and through_origin.beta == pytest.approx(13.5 / 14)
+    with pytest.raises(ValueError, match="two or more"):
+        fit_alpha_beta([5, 5], [1.0, 2.0])
+
+
+def test_profile_yaml_round_trip_and_errors(tmp_path):
+    profile = HardwareProfile("p", AlphaBeta(1e-4, 2e-9, 0.99), AlphaBeta(3e-4, 4e-9), AlphaBeta(5e-4, 6e-9, 0.9),
+                              description="d", fit={"layout": {"tensor": 2}})
+    save_profile(profile, str(tmp_path / "p.yaml"))
+    assert load_profile(str(tmp_path / "p.yaml")) == profile
+    bad = tmp_path / "bad.yaml"
+    for text, message in [("mp_allgather: {alpha: 1, beta: 1}\n", "needs keys"),
+                          ("mp_allgather: {alpha: 1, beta: -1}\nep_esp_alltoall: {alpha: 1, beta: 1}\n"
+                           "saa: {alpha: 1, beta: 1}\n", ">= 0"),
+                          ("mp_allgather: {alpha: 1}\nep_esp_alltoall: {alpha: 1, beta: 1}\nsaa: {alpha: 1, beta: 1}\n",
+                           "keys alpha, beta"),
+                          ("[1, 2\n", "perf.hardware_profile")]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=message) as info:
+            load_profile(str(bad))
+        assert "perf.hardware_profile" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_profile(str(tmp_path / "missing.yaml"))
+
+
+def test_shipped_profiles():
+    a, b = (load_profile(str(p)) for p in TESTBEDS)
+    assert (a.mp_allgather.alpha, a.mp_allgather.beta) == (6.64e-4, 5.38e-10)  # Parm §VI-B
+    assert (b.mp_allgather.alpha, b.mp_allgather.beta) == (1.09e-4, 7.14e-10)
+    measured = load_profile(str(ROOT / "configs/hardware/cpu_gloo_8proc.yaml"))
+    assert all(0.0 < op.r2 <= 1.0 for op in (measured.mp_allgather, measured.ep_esp_alltoall, measured.saa))
+    assert measured.fit["layout"] == {"tensor": 2, "expert": 2, "expert_shard": 2}
+
+
+def test_config_rules(tmp_path):
+    profile = str(TESTBEDS[0])
+    validate_config(load_config(None, ["moe.schedule=auto", f"perf.hardware_profile={profile}", "moe.saa=true"]), 1)
+    validate_config(load_config(None, ["moe.schedule=s2", "moe.saa=true"]), 1)
+    for overrides, message in [(["moe.schedule=baseline", "moe.saa=true"], "needs moe.schedule s2 or auto"),
+                               (["moe.schedule=s1", "moe.saa=true"], "moe.saa"),
+                               (["moe.schedule=auto"], "moe.schedule=auto needs perf.hardware_profile"),
+                               (["moe.schedule=s1", f"perf.hardware_profile={tmp_path}/none.yaml"], "no such file")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(load_config(None, overrides), 1)
+
+
+def test_single_process_schedules_equal_reference():
+    """Groups of size 1: every collective is the identity and SAA has one phase, no peer."""
+    state = ParallelState.single_process()
+    for (schedule, saa), index in zip([("s1", False), ("s2", False), ("s2", True), ("auto", True)], range(len(CASES))):
+        cfg, full, xs, gs = case_data(index, 1)
+        cfg.moe.schedule, cfg.moe.saa, cfg.perf.hardware_profile = schedule, saa, str(TESTBEDS[1])
+        result = run_layer(state, cfg, full, xs, gs)
+        check_against_reference([result], index, RankLayout(world_size=1), schedule)
+        assert result["stats"].schedule == ("s1" if schedule == "auto" else schedule)

@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Offline checkpoint conversions (docs/checkpoints.md). One process, no GPU needed.
+
+    reshard    --input CKPT --output OUT --tensor T --expert E --expert-shard S
+    reshard    --input CKPT --output FILE.safetensors --consolidated
+    export-hf  --input CKPT --output HF_DIR
+    import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [section.key=value ...]
+    upcycle    --input DENSE_CKPT --num-experts N --output CKPT
+
+CKPT may be a checkpoint root (its newest complete checkpoint is used) or one iter_* directory.
+"""
+import argparse
+import sys
+
+from megatron_moe.config import ConfigError
+from megatron_moe.convert import offline
+from megatron_moe.training.checkpoint_io import CheckpointError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("reshard", help="rewrite for another parallel layout, or consolidate into one file")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--tensor", type=int, default=1)
+    p.add_argument("--expert", type=int, default=1)
+    p.add_argument("--expert-shard", type=int, default=1)
+    p.add_argument("--consolidated", action="store_true", help="write every global tensor into one safetensors file")
+    p = sub.add_parser("export-hf", help="Mixtral-shaped checkpoint -> Hugging Face Mixtral directory")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p = sub.add_parser("import-hf", help="Hugging Face Mixtral directory -> checkpoint")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--config", help="base YAML for the non-model settings (training, optimizer, ...)")
+    p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("upcycle", help="dense checkpoint -> MoE checkpoint, every expert = the dense FFN")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--num-experts", type=int, required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "reshard" and args.consolidated:
+            offline.consolidate(args.input, args.output)
+            out = args.output
+        elif args.command == "reshard":
+            out = offline.reshard(args.input, args.output, args.tensor, args.expert, args.expert_shard)
+        elif args.command == "export-hf":
+            offline.export_hf(args.input, args.output)
+            out = args.output
+        elif args.command == "import-hf":
+            out = offline.import_hf(args.input, args.output, args.config, args.overrides)
+        else:
+            out = offline.upcycle(args.input, args.num_experts, args.output)
+    except (CheckpointError, ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
