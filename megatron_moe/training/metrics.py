@@ -53,8 +53,21 @@ def scalars(record: Record) -> Iterator[Tuple[str, float]]:
             yield key, float(value)
 
 
+def open_jsonl(path: str, resume_from: int):
+    """A fresh run starts a new file. A run resumed from a checkpoint of iteration k keeps the
+    records of iterations <= k (a preempted run may have logged past its last checkpoint) and
+    appends after them."""
+    kept = []
+    if resume_from > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= resume_from]
+    out = open(path, "w")
+    out.writelines(kept)
+    return out
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, train_iters: int):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, train_iters: int, resume_from: int = 0):
         self.enabled = enabled
         self.train_iters = train_iters
         self._jsonl = None
@@ -62,7 +75,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        self._jsonl = open_jsonl(os.path.join(run_dir, "metrics.jsonl"), resume_from)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

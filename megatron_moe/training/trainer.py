@@ -174,11 +174,11 @@ class Trainer:
         writer = self.state.rank == 0
         if writer:
             save_config(self.cfg, os.path.join(tr.run_dir, "config.yaml"))
-        metrics = MetricsLogger(tr.run_dir, writer, self.cfg.logging.tensorboard, tr.train_iters)
+        start = self.load_checkpoint()
+        metrics = MetricsLogger(tr.run_dir, writer, self.cfg.logging.tensorboard, tr.train_iters, resume_from=start)
         metrics.print(f"{self.state.describe()} | {sum(p.numel() for p in self.model.parameters()):,} "
                       f"local parameters | {self.num_micro_batches} micro-batches per rank per iteration")
         records, elapsed = [], 0.0
-        start = self.load_checkpoint()
         trace = self.routing_trace_writer() if writer and self.cfg.logging.routing_trace else None
         try:
             with StopRequest(self.state, self.device) as stop:

@@ -129,7 +129,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path):
+def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path, one_thread):
+    # one thread here as in the child: the resumed run must see the bits the child saved
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
