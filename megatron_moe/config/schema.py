@@ -96,7 +96,6 @@ class DataConfig:
     # null = embedded corpus (stdlib sources, BPE-tokenized, cached); [prefix] or [w1, prefix1, w2, prefix2, ...]
     path: Optional[List[Any]] = None
     split: str = "969,30,1"
-    num_workers: int = 0
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # required with data.path
     cache_dir: Optional[str] = None  # embedded corpus + indices (null: ~/.cache/megatron_moe; indices by the data)
     embedded_vocab_size: int = 4096  # BPE vocabulary trained for the embedded corpus

@@ -25,7 +25,7 @@ from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import ParamMeta, init_model_from_seed_, make_param
-from megatron_moe.model.transformer import TransformerLayer
+from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
 from megatron_moe.tensor_parallel import DropoutRNG, copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
 
 NUM_TOKEN_TYPES = 2  # segment A, segment B
@@ -65,21 +65,15 @@ class BertMoEModel(torch.nn.Module):
         init_model_from_seed_(self, cfg.training.seed, state)
 
     def moe_layers(self) -> List[torch.nn.Module]:
-        return [layer.ffn for layer in self.layers if layer.is_moe]
+        return moe_ffns(self.layers)
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor, padding_mask: torch.Tensor,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
                 binary_labels: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens, token_types, padding_mask (1 = real token), labels, loss_mask (1 = masked position
         to predict) `[b, s]`, binary_labels `[b]`; all replicated across TP."""
-        x = self.embedding(tokens, token_types)  # [b, s, h]
-        aux_losses = []
-        for layer in self.layers:
-            x, aux_loss = layer(x, padding_mask)
-            if aux_loss is not None:
-                aux_losses.append(aux_loss)
+        x, aux_loss = run_layers(self.layers, self.embedding(tokens, token_types), padding_mask)  # [b, s, h]
         x = self.final_norm(x)
-        aux_loss = torch.stack(aux_losses).sum() if aux_losses else torch.zeros((), device=x.device)
         moe_stats = [moe.last_stats for moe in self.moe_layers()]
         logits = self._mlm_logits(x)  # [b, s, V_padded/tp]
         binary_logits = None

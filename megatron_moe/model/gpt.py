@@ -18,7 +18,7 @@ from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import init_model_from_seed_
-from megatron_moe.model.transformer import TransformerLayer
+from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
 from megatron_moe.tensor_parallel import (ColumnParallelLinear, DropoutRNG, copy_to_tp_region, gather_from_tp_region,
                                           padded_vocab_size, vocab_parallel_cross_entropy)
 
@@ -40,19 +40,13 @@ class GPTMoEModel(torch.nn.Module):
         init_model_from_seed_(self, cfg.training.seed, state)
 
     def moe_layers(self) -> List[torch.nn.Module]:
-        return [layer.ffn for layer in self.layers if layer.is_moe]
+        return moe_ffns(self.layers)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens, labels `[b, s]` (replicated across TP); loss_mask `[b, s]` (1 = counts)."""
-        x = self.embedding(tokens)  # [b, s, h]
-        aux_losses = []
-        for layer in self.layers:
-            x, aux_loss = layer(x)
-            if aux_loss is not None:
-                aux_losses.append(aux_loss)
+        x, aux_loss = run_layers(self.layers, self.embedding(tokens))  # [b, s, h]
         logits = self._logits(self.final_norm(x))  # [b, s, V_padded/tp]
-        aux_loss = torch.stack(aux_losses).sum() if aux_losses else torch.zeros((), device=x.device)
         moe_stats = [moe.last_stats for moe in self.moe_layers()]
         if labels is None:
             return ModelOutput(logits, None, aux_loss, moe_stats)

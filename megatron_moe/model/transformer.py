@@ -9,7 +9,7 @@ parallelism); residual dropout therefore uses the TP-replicated generator.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -61,3 +61,21 @@ class TransformerLayer(torch.nn.Module):
         else:
             y = self.ffn(h)
         return x + self.residual_dropout(y), aux_loss
+
+
+def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x `[b, s, h]` through every layer -> (`[b, s, h]`, sum of the MoE layers' aux losses, a 0
+    tensor when there are none)."""
+    aux_losses = []
+    for layer in layers:
+        x, aux_loss = layer(x, padding_mask)
+        if aux_loss is not None:
+            aux_losses.append(aux_loss)
+    aux_loss = torch.stack(aux_losses).sum() if aux_losses else torch.zeros((), device=x.device)
+    return x, aux_loss
+
+
+def moe_ffns(layers) -> List[torch.nn.Module]:
+    """The MoE layers among `layers`' FFNs, in order."""
+    return [layer.ffn for layer in layers if layer.is_moe]
