@@ -3,17 +3,23 @@
     torchrun --nproc_per_node 8 benchmarks/moe_layer.py --tensor 2 --expert 2 --expert-shard 2
 
 Rows: baseline (Parm Fig. 3(a), DeepSpeed-MoE style), s1, s2 (AAS), s2_saa, auto (Alg. 1 with
---profile; its S2 with AAS unless --auto-saa), and `deepspeed` when it is importable (not a
-dependency; when absent the row is left out and the config says so). Every layer gets the same
+--profile, S2 with AAS), auto_saa (S2 with SAA) and auto_saa_s1_phased: auto + SAA as it ran
+before review issue #15 item 5, S1's combine through SAA's phased point-to-point exchange instead
+of its plain all-to-all (kept to measure that fix in the same run). Every layer gets the same
 weights (seeded) and every data-parallel rank its own tokens. Repetitions are interleaved (rep 1
 of every row, then rep 2, ...) so that load drifts hit every row alike; a repetition's time is the
-slowest rank's. Reported per row: median ms over --reps after --warmup, rank 0's bytes per
-"<op kind>/<group>" from COMM_STATS for one forward + backward, speedup_vs_baseline = baseline
-median / row median, and for auto the schedule Alg. 1 picked (last repetition). Rank 0 prints one
-JSON object on its last line. Default shapes are sized for 8 processes on 2 CPU cores.
+slowest rank's.
+
+Reported per row: median ms over --reps after --warmup; `bytes` (rank 0) and `bytes_all_ranks`
+(summed over every rank) per "<op kind>/<group>" for one forward + backward; `exposed_ms` /
+`total_ms` per op kind (rank 0's median: time blocked by communication vs its whole span);
+speedup_vs_baseline = baseline median / row median; `max_abs_diff_vs_baseline`: the largest
+difference of the layer output and input gradient from the baseline row's, over all ranks (every
+row computes the same math, so this is float rounding); for auto rows the schedule Alg. 1 picked
+(last repetition). Rank 0 prints one JSON object on its last line. Default shapes are sized for 8
+processes on 2 CPU cores.
 """
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -24,15 +30,25 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.moe.layer import MoELayer
+from megatron_moe.moe.schedules.parm import Auto
 from megatron_moe.perf.timing import init_state, slowest_rank_seconds
 
-ROWS = {  # name -> (moe.schedule, moe.saa); auto's saa comes from --auto-saa
+ROWS = {  # name -> (moe.schedule, moe.saa)
     "baseline": ("baseline", False),
     "s1": ("s1", False),
     "s2": ("s2", False),
     "s2_saa": ("s2", True),
-    "auto": ("auto", None),
+    "auto": ("auto", False),
+    "auto_saa": ("auto", True),
+    "auto_saa_s1_phased": ("auto", True),
 }
+
+
+class AutoWithPhasedS1(Auto):
+    """auto + SAA before issue #15 item 5: S1's combine phased like SAA (pure overhead)."""
+
+    def uses_saa(self, routed) -> bool:
+        return self.cfg.moe.saa
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,11 +65,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-factor", type=float, default=None, help="default: dropless")
     p.add_argument("--activation", default="gelu", choices=["gelu", "swiglu"])
     p.add_argument("--profile", default="configs/hardware/cpu_gloo_8proc.yaml", help="hardware profile for auto")
-    p.add_argument("--auto-saa", action="store_true", help="auto's S2 uses SAA (default: AAS)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.rows = [r for r in args.rows.split(",") if r]
+    unknown = set(args.rows) - ROWS.keys()
+    if unknown or "baseline" not in args.rows:
+        p.error(f"--rows: unknown {sorted(unknown)} (choose from {', '.join(ROWS)}; baseline is required)")
+    return args
 
 
 def layer_config(args, schedule: str, saa: bool) -> Config:
@@ -67,6 +88,23 @@ def layer_config(args, schedule: str, saa: bool) -> Config:
     return cfg
 
 
+def build_layer(args, name: str, state, device) -> MoELayer:
+    schedule, saa = ROWS[name]
+    cfg = layer_config(args, schedule, saa)
+    layer = MoELayer(cfg, state, layer_index=0)
+    if name == "auto_saa_s1_phased":
+        layer.schedule = AutoWithPhasedS1(cfg, state)
+    init_model_from_seed_(layer, args.seed, state)
+    return layer.to(device)
+
+
+def sum_over_ranks(counters: dict, state) -> dict:
+    """{key: int} of this rank -> the same keys summed over every rank (keys of all ranks)."""
+    keys = sorted(set().union(*C.all_gather_object(sorted(counters), state.world)))
+    totals = torch.tensor([counters.get(k, 0) for k in keys], dtype=torch.int64)
+    return dict(zip(keys, C.all_reduce(totals, state.world).tolist()))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     state = init_state(args.tensor, args.expert, args.expert_shard)
@@ -75,14 +113,10 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed + state.dp.rank)  # same tokens on a TP group
     x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device)
     grad = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device)
-    layers = {}
-    for name, (schedule, saa) in ROWS.items():
-        saa = args.auto_saa if saa is None else saa
-        layer = MoELayer(layer_config(args, schedule, saa), state, layer_index=0).to(device)
-        init_model_from_seed_(layer, args.seed, state)
-        layers[name] = layer
+    layers = {name: build_layer(args, name, state, device) for name in args.rows}
     times = {name: [] for name in layers}
-    bytes_, picked = {}, {}
+    comm_times = {name: [] for name in layers}
+    bytes_, picked, outputs = {}, {}, {}
 
     def step(name):
         layer = layers[name]
@@ -91,7 +125,9 @@ def main(argv=None) -> int:
         y, aux = layer(inp)
         ((y * grad).sum() + aux).backward()
         bytes_[name] = C.COMM_STATS.snapshot()
+        comm_times[name].append(C.COMM_STATS.seconds_by_kind())
         picked[name] = layer.last_stats.schedule
+        outputs.setdefault(name, (y.detach(), inp.grad))
         layer.zero_grad(set_to_none=True)
 
     for rep in range(args.warmup + args.reps):
@@ -100,15 +136,24 @@ def main(argv=None) -> int:
             if rep >= args.warmup:
                 times[name].append(seconds * 1e3)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
-    results = {name: {"ms_median": round(medians[name], 3), "bytes": dict(sorted(bytes_[name].items())),
-                      "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3)} for name in layers}
-    results["auto"]["picked"] = picked["auto"]
-    config = {k: v for k, v in vars(args).items()}
-    config.update(world_size=state.world_size, data_parallel=state.dp_size, device=str(device),
-                  deepspeed="installed" if importlib.util.find_spec("deepspeed") else "not installed: row omitted")
+    results = {}
+    for name in layers:
+        diff = max(float((a - b).abs().max()) for a, b in zip(outputs[name], outputs["baseline"]))
+        diff = float(C.all_reduce(torch.tensor([diff], dtype=torch.float64), state.world, op="max"))
+        timed = comm_times[name][args.warmup:] or comm_times[name]
+        results[name] = {
+            "ms_median": round(medians[name], 3), "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3),
+            "bytes": dict(sorted(bytes_[name].items())), "bytes_all_ranks": sum_over_ranks(bytes_[name], state),
+            **{f"{part}_ms": {kind: round(statistics.median(t[part].get(kind, 0.0) for t in timed) * 1e3, 3)
+                              for kind in timed[-1][part]} for part in ("exposed", "total")},
+            "max_abs_diff_vs_baseline": diff,
+        }
+        if ROWS[name][0] == "auto":
+            results[name]["picked"] = picked[name]
+    config = dict(vars(args), world_size=state.world_size, data_parallel=state.dp_size, device=str(device))
     if state.rank == 0:
         for name, r in results.items():
-            print(f"{name:9s} {r['ms_median']:9.2f} ms  x{r['speedup_vs_baseline']:.2f}", flush=True)
+            print(f"{name:20s} {r['ms_median']:9.2f} ms  x{r['speedup_vs_baseline']:.2f}", flush=True)
         print(json.dumps({"config": config, "results": results}), flush=True)
     C.destroy_process_group()
     return 0

@@ -181,5 +181,11 @@ def _check_parm(cfg: Config) -> None:
         raise ConfigError(f"moe.saa=true needs moe.schedule s2 or auto, not {moe.schedule!r}")
     if moe.schedule == "auto" and not profile:
         raise ConfigError("moe.schedule=auto needs perf.hardware_profile (a YAML file, see configs/hardware/)")
+    par = cfg.parallel
+    ep_esp = par.expert * par.expert_shard
+    if moe.schedule == "auto" and par.tensor % ep_esp and ep_esp % par.tensor:
+        # ranks sharing a TP group or an ep_esp group must pick alike (moe/schedules/parm.py)
+        raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
+                          f"parallel.expert_shard={ep_esp} to divide one another")
     if profile:
         load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed

@@ -9,11 +9,17 @@ size 1. Byte counts use Parm's notation for a collective's message size x (Parm 
     all_to_all      x = bytes of this rank's input (all splits, including the one it keeps)
     broadcast/send/recv: bytes of the tensor; p2p_exchange: bytes of the tensors it sends
 
-Asynchronous ops (`all_gather_v_async`, `p2p_exchange`) count bytes, not time.
+Time is recorded twice per op: *total* (the op's span) and *exposed* (the time the caller was
+blocked by it). A synchronous op's exposed time is its total. An asynchronous op
+(`all_gather_v_async`, `p2p_exchange`) returns a `Pending` handle: its bytes are counted when it
+is issued; its exposed time is the issue call plus the time blocked in `Pending.wait()`, its
+total the span from issue until `wait()` returns (an upper bound of the transfer itself: gloo
+reports no completion time). Exposed < total is communication hidden behind other work.
 
 Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
-`COMM_STATS.snapshot()` returns them, `COMM_STATS.reset()` clears them. Differentiable wrappers
-(`all_to_all_v_autograd`, ...) count their backward communication too.
+`COMM_STATS.snapshot()` returns the bytes, `COMM_STATS.seconds_by_kind()` the times,
+`COMM_STATS.reset()` clears them. Differentiable wrappers (`all_to_all_v_autograd`, ...) count
+their backward communication too.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,23 +37,32 @@ from megatron_moe.distributed.parallel_state import Group
 
 
 class CommStats:
-    """Bytes and seconds per "<kind>/<group>" in this process."""
+    """Bytes, calls, total and exposed seconds per "<kind>/<group>" in this process."""
 
     def __init__(self):
         self.bytes: Dict[str, int] = defaultdict(int)
-        self.seconds: Dict[str, float] = defaultdict(float)
+        self.seconds: Dict[str, float] = defaultdict(float)  # total span
+        self.exposed: Dict[str, float] = defaultdict(float)  # time the caller was blocked
         self.calls: Dict[str, int] = defaultdict(int)
 
     def record(self, kind: str, group: Group, nbytes: int, seconds: float) -> None:
+        """A synchronous op: `seconds` is both its total and its exposed time."""
+        self.record_bytes(kind, group, nbytes)
+        self.record_time(kind, group, seconds, seconds)
+
+    def record_bytes(self, kind: str, group: Group, nbytes: int) -> None:
         key = f"{kind}/{group.name}"
         self.bytes[key] += int(nbytes)
-        self.seconds[key] += seconds
         self.calls[key] += 1
 
+    def record_time(self, kind: str, group: Group, total: float, exposed: float) -> None:
+        key = f"{kind}/{group.name}"
+        self.seconds[key] += total
+        self.exposed[key] += exposed
+
     def reset(self) -> None:
-        self.bytes.clear()
-        self.seconds.clear()
-        self.calls.clear()
+        for counter in (self.bytes, self.seconds, self.exposed, self.calls):
+            counter.clear()
 
     def snapshot(self) -> Dict[str, int]:
         return dict(self.bytes)
@@ -55,12 +70,23 @@ class CommStats:
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
 
+    def exposed_seconds(self) -> float:
+        return sum(self.exposed.values())
+
     def bytes_by_kind(self) -> Dict[str, int]:
         """Bytes summed over groups: {"all_to_all": ..., "all_gather": ...}."""
-        out: Dict[str, int] = defaultdict(int)
-        for key, n in self.bytes.items():
-            out[key.split("/")[0]] += n
-        return dict(out)
+        return _by_kind(self.bytes)
+
+    def seconds_by_kind(self) -> Dict[str, Dict[str, float]]:
+        """{"exposed": {kind: s}, "total": {kind: s}}, summed over groups."""
+        return {"exposed": _by_kind(self.exposed), "total": _by_kind(self.seconds)}
+
+
+def _by_kind(counter: Dict[str, float]) -> Dict[str, float]:
+    out: Dict[str, float] = defaultdict(type(next(iter(counter.values()), 0)))
+    for key, value in counter.items():
+        out[key.split("/")[0]] += value
+    return dict(out)
 
 
 COMM_STATS = CommStats()
@@ -127,6 +153,16 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "all_gat
     return torch.cat(pieces, dim=dim)
 
 
+def all_gather_object(obj, group: Group, kind: str = "all_gather_object") -> list:
+    """Every rank's picklable `obj`, in rank order (for small metadata; bytes are not counted)."""
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    with _timed(kind, group, 0):
+        dist.all_gather_object(out, obj, group=group.handle)
+    return out
+
+
 def _backend_device(group: Group) -> torch.device:
     """Where a tensor created here must live for `group`'s backend (NCCL: the current GPU)."""
     if dist.get_backend(group.handle) == "nccl":
@@ -167,26 +203,51 @@ def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = Non
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
 
 
-class PendingGather:
-    """An `all_gather_v` in flight (from `all_gather_v_async`); `wait()` returns the concatenation."""
+class Pending:
+    """An asynchronous op in flight. `wait()` blocks until it is done, records its exposed and
+    total time (module docstring) once, and returns `result()` (None for point-to-point)."""
 
-    def __init__(self, work, pieces: List[torch.Tensor], sizes: List[int]):
-        self.work, self.pieces, self.sizes = work, pieces, sizes
+    def __init__(self, kind: str, group: Optional[Group], works: Sequence, result: Callable[[], object] = lambda: None,
+                 issued_at: float = 0.0, issue_seconds: float = 0.0):
+        self.kind, self.group, self.works, self._result = kind, group, list(works), result
+        self.issued_at, self.issue_seconds = issued_at, issue_seconds
+        self._done = False
 
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return torch.cat([p[:n] for p, n in zip(self.pieces, self.sizes)], dim=0)
+    @classmethod
+    def completed(cls, result: Callable[[], object] = lambda: None) -> "Pending":
+        """A handle for work that needed no communication (a group of size 1, nothing to send)."""
+        return cls("", None, [], result)
+
+    def wait(self):
+        if not self._done:
+            start = time.perf_counter()
+            for work in self.works:
+                work.wait()
+            end = time.perf_counter()
+            if self.group is not None:
+                COMM_STATS.record_time(self.kind, self.group, end - self.issued_at, self.issue_seconds + end - start)
+            self._done = True
+        return self._result()
 
 
-def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: str = "all_gather") -> PendingGather:
+def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequence],
+           result: Callable[[], object] = lambda: None) -> Pending:
+    """Count `nbytes`, start the async ops and return their handle."""
+    COMM_STATS.record_bytes(kind, group, nbytes)
+    issued_at = time.perf_counter()
+    works = start_ops()
+    return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at)
+
+
+def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: str = "all_gather") -> Pending:
     """Start an `all_gather_v` and return at once, so that communication on another group can run
-    meanwhile (Parm's SAA). Bytes are counted when it starts; its time is not measured."""
+    meanwhile (Parm's SAA); `wait()` returns the concatenation. `sizes`: every rank's dim 0."""
     if group.size == 1:
-        return PendingGather(None, [t], [t.shape[0]])
+        return Pending.completed(lambda: t)
     buf, pieces = _gather_buffers(t, group, sizes)
-    COMM_STATS.record(kind, group, _row_bytes(t) * sum(sizes), 0.0)
-    return PendingGather(dist.all_gather(pieces, buf, group=group.handle, async_op=True), pieces, sizes)
+    return _issue(kind, group, _row_bytes(t) * sum(sizes),
+                  lambda: [dist.all_gather(pieces, buf, group=group.handle, async_op=True)],
+                  lambda: torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0))
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -242,26 +303,16 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
     return t
 
 
-def isend(t: torch.Tensor, dst_index: int, group: Group):
-    COMM_STATS.record("send", group, _nbytes(t), 0.0)
-    return dist.isend(t.contiguous(), dst=group.global_rank(dst_index), group=group.handle)
-
-
-def irecv(t: torch.Tensor, src_index: int, group: Group):
-    return dist.irecv(t, src=group.global_rank(src_index), group=group.handle)
-
-
 def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-                 group: Group, kind: str = "send") -> list:
+                 group: Group, kind: str = "send") -> Pending:
     """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
-    (batch_isend_irecv, as NCCL needs) and return the requests to wait on. Counts the bytes sent as
+    (batch_isend_irecv, as NCCL needs) and return one handle to wait on. Counts the bytes sent as
     `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), group.global_rank(i), group.handle) for i, t in sends if t.numel()]
     ops += [dist.P2POp(dist.irecv, t, group.global_rank(i), group.handle) for i, t in recvs if t.numel()]
     if not ops:
-        return []
-    COMM_STATS.record(kind, group, sum(_nbytes(t) for _, t in sends), 0.0)
-    return dist.batch_isend_irecv(ops)
+        return Pending.completed()
+    return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops))
 
 
 # ---- differentiable wrappers --------------------------------------------------------------------

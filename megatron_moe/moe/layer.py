@@ -1,4 +1,4 @@
-"""MoELayer: route -> balancer.plan(counts) -> Placement -> dispatch -> experts -> combine (DESIGN.md §4).
+"""MoELayer: route -> place (balancer.plan) -> dispatch -> experts -> combine (DESIGN.md §4).
 
 `forward(x [b, s, h]) -> (y [b, s, h], aux_loss)`; x and y are replicated across the TP group.
 `aux_loss` is the coefficient-weighted load-balancing + z loss of this rank's data-parallel
@@ -51,7 +51,7 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         b, s, h = x.shape
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
-        placement = self.balancer.plan(routed.counts)
+        placement = self.schedule.place(routed, self.balancer)
         y = self.schedule.run(routed, placement, self.experts)  # [b*s, h]
         self.last_stats = self.schedule.stats(routed, placement)
         return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss

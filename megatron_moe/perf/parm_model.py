@@ -17,13 +17,15 @@ Conventions where the paper is loose (written down, DESIGN.md §5's spirit):
   argument as the all-to-all (Alg. 1 writes beta_o * y with y = N_MP x: a rescaled beta_o).
 * Alg. 1 line 2 reads T = k f B L M / E; the M is a typo (y multiplies by M again): T = k f B L / E.
 * N_MP = 1: there is no MP group, S1 and S2 move the same data (Eq. 2) and S1 is returned.
-* Online (dropless or capacity): E T is measured from the routed micro-batch as the all-to-all's
-  bottleneck, N_EP times the kept assignments of the busiest EP rank (`dispatched_assignments`);
-  with balanced routing this is Alg. 1's E T = k f B L.
+* Online (dropless or capacity): E T is measured per candidate from the Placement the balancer
+  made for it, as the all-to-all's bottleneck: the rows of the busiest EP rank, scaled to one
+  micro-batch (`dispatched_assignments`); with balanced routing this is Alg. 1's E T = k f B L.
+  S1 and S2 deal a micro-batch's rows to different sources, so each candidate has its own
+  placement and its own E T (t_D1 from S1's, t_D2 from S2's).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -40,11 +42,13 @@ def schedule_times(profile: HardwareProfile, tokens: int, hidden: int, assignmen
 
 
 def choose_schedule(profile: HardwareProfile, tokens: int, hidden: int, assignments: float, n_mp: int,
-                    n_esp: int, saa: bool = True) -> str:
-    """Alg. 1: "s1" or "s2"."""
+                    n_esp: int, saa: bool = True, assignments_s2: Optional[float] = None) -> str:
+    """Alg. 1: "s1" or "s2". `assignments_s2`: S2's own E T when it differs from S1's (online)."""
     if n_mp == 1:
         return "s1"
-    t_d1, t_d2 = schedule_times(profile, tokens, hidden, assignments, n_mp, n_esp, saa)
+    t_d1, _ = schedule_times(profile, tokens, hidden, assignments, n_mp, n_esp, saa)
+    _, t_d2 = schedule_times(profile, tokens, hidden, assignments if assignments_s2 is None else assignments_s2,
+                             n_mp, n_esp, saa)
     return "s1" if t_d1 <= t_d2 else "s2"
 
 
@@ -53,7 +57,9 @@ def capacity_assignments(tokens: int, top_k: int, capacity_factor: float) -> flo
     return top_k * capacity_factor * tokens
 
 
-def dispatched_assignments(kept_per_expert: torch.Tensor, ep_size: int) -> int:
-    """E T of a routed micro-batch: N_EP x the kept assignments of its busiest EP rank (experts
-    are owned contiguously, E / N_EP per rank). kept_per_expert: Long[E]."""
-    return ep_size * int(kept_per_expert.view(ep_size, -1).sum(1).max())
+def dispatched_assignments(rows_per_ep_rank: torch.Tensor, n_mp: int, n_esp: int) -> float:
+    """E T of one micro-batch from a Placement's rows per EP rank (`tokens_per_ep_rank()`, Long[N_EP])
+    over one `ep_esp` group: N_EP x the busiest rank's rows per micro-batch. The group's N_EP N_ESP
+    sources each hold 1/N_MP of a micro-batch (S1 and S2), i.e. N_EP N_ESP / N_MP micro-batches,
+    so E T = max rows x N_MP / N_ESP; balanced, E T = the kept assignments of a micro-batch."""
+    return float(rows_per_ep_rank.max()) * n_mp / n_esp

@@ -2,8 +2,10 @@
 logged iteration. Only the writing rank (rank 0) creates files; the others keep a disabled logger.
 
 A record is a flat dict of numbers plus nested fields: dicts ``comm_bytes`` ({op kind: bytes} of
-the forward, backward and gradient sync; the metric collectives after them are not included) and
-``time_ms`` ({forward, backward, optimizer, comm_wait}), and per-MoE-layer lists
+the forward, backward and gradient sync; the metric collectives after them are not included),
+``comm_exposed_ms`` / ``comm_total_ms`` ({op kind: ms} of the same ops: time the step was blocked
+by them / their whole span; they differ where communication overlaps other work, e.g. SAA) and
+``time_ms`` ({forward, backward, optimizer, comm_wait = all exposed communication}), and per-MoE-layer lists
 ``expert_load_imbalance`` (FlexMoE Eq. 6 balance ratio: max/mean over EP ranks),
 ``balance_degree`` (Pro-Prophet: std of the per-expert load) and ``dropped_fraction``;
 TensorBoard gets those as ``<field>/<key>`` and ``<field>/layer<i>``.

@@ -130,7 +130,7 @@ class Trainer:
         self.grads.sync()
         grad_norm = self.grads.clip(self.cfg.optimizer.clip_grad)
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()
-        comm_seconds = collectives.COMM_STATS.total_seconds()
+        comm_times = collectives.COMM_STATS.seconds_by_kind()  # exposed / total per op kind
         loss, aux_loss, binary_loss = self.mean_over_dp(sums, self.num_micro_batches)
         if all_finite([loss, aux_loss, binary_loss, grad_norm]):  # the same on every rank
             with self.timer("optimizer"):
@@ -149,7 +149,10 @@ class Trainer:
             "iteration": iteration, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tr.global_batch_size * self.cfg.model.seq_length / seconds,
             "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes, **moe_metrics,
-            "time_ms": {**{k: v * 1e3 for k, v in self.timer.seconds.items()}, "comm_wait": comm_seconds * 1e3},
+            "time_ms": {**{k: v * 1e3 for k, v in self.timer.seconds.items()},
+                        "comm_wait": sum(comm_times["exposed"].values()) * 1e3},
+            "comm_exposed_ms": {k: v * 1e3 for k, v in comm_times["exposed"].items()},
+            "comm_total_ms": {k: v * 1e3 for k, v in comm_times["total"].items()},
             "skipped_iterations": self.skipped_iterations,
             **({"binary_loss": binary_loss} if self.has_binary_head else {}),
         }

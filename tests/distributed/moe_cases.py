@@ -65,7 +65,12 @@ def run_layer(state, cfg: Config, full, xs, gs) -> Dict:
 
 def reference(index: int, dp: int):
     """Per micro-batch reference outputs, dL_d/dx_d, and weight gradients of mean_d L_d."""
-    cfg, full, xs, gs = case_data(index, dp)
+    return reference_of(*case_data(index, dp))
+
+
+def reference_of(cfg: Config, full, xs, gs):
+    """`reference` for any weights and per-micro-batch tokens xs / upstream gradients gs [dp, B, S, H]."""
+    dp = xs.shape[0]
     weights = {n: t.clone().requires_grad_(True) for n, t in full.items()}
     xs = [xs[d].reshape(B * S, H).clone().requires_grad_(True) for d in range(dp)]
     refs = [reference_moe(x, weights, cfg) for x in xs]
@@ -76,10 +81,18 @@ def reference(index: int, dp: int):
 
 def check_against_reference(results: List[Dict], index: int, layout: RankLayout, label: str = "") -> list:
     """results[rank] = `run_layer`'s dict for case `index`. Returns the per-micro-batch references."""
-    refs, ref_dx, ref_grads = reference(index, layout.data_parallel)
+    refs = check_results(results, reference(index, layout.data_parallel), layout, f"{label} case {index}")
+    if CASES[index][0] is not None:
+        assert sum(ref.dropped for ref in refs) > 0, "capacity case dropped nothing"
+    return refs
+
+
+def check_results(results: List[Dict], reference_output, layout: RankLayout, label: str = "") -> list:
+    """Every rank's `run_layer` dict against `reference_of(...)`'s output; returns the references."""
+    refs, ref_dx, ref_grads = reference_output
     for rank, res in enumerate(results):
         d = layout.coords(rank)["dp"]
-        where = f"{label} case {index} rank {rank}"
+        where = f"{label} rank {rank}"
         torch.testing.assert_close(res["y"].reshape(B * S, H), refs[d].y.detach(), **FP32,
                                    msg=lambda m: f"{where} y: {m}")
         torch.testing.assert_close(res["aux"], refs[d].aux_loss.detach(), **FP32, msg=lambda m: f"{where} aux: {m}")
@@ -90,9 +103,21 @@ def check_against_reference(results: List[Dict], index: int, layout: RankLayout,
             replicas = layout.group_of("edp" if kind == "expert" else "dp", rank)
             synced = sum(results[q]["grads"][name] for q in replicas) / layout.data_parallel
             torch.testing.assert_close(synced, ref_grads[name][slices], **FP32, msg=lambda m: f"{where} {name}: {m}")
-    if CASES[index][0] is not None:
-        assert sum(ref.dropped for ref in refs) > 0, "capacity case dropped nothing"
     return refs
+
+
+def patterned_tokens(pattern: str) -> torch.Tensor:
+    """[B, S, H] tokens whose routing under router weight `ROUTER_EYE` (dropless, k = 2) is fixed:
+    "balanced": token t chooses experts t mod E and t+1 mod E (every expert 2 B S / E, also in each
+    contiguous quarter of the tokens); "skewed": every token chooses experts 0 and 1."""
+    t = torch.arange(B * S)
+    first = t % E if pattern == "balanced" else torch.zeros_like(t)
+    x = torch.zeros(B * S, H)
+    x[t, first], x[t, (first + 1) % E] = 2.0, 1.0
+    return x.view(B, S, H)
+
+
+ROUTER_EYE = 10.0 * torch.eye(E, H)
 
 
 def balanced_layer_comm(state, cfg: Config):
@@ -102,13 +127,10 @@ def balanced_layer_comm(state, cfg: Config):
     each contiguous quarter of them)."""
     assert cfg.moe.top_k == 2 and cfg.moe.capacity_factor is None
     full = random_full_weights(cfg, seed=7)
-    full["router.weight"] = 10.0 * torch.eye(E, H)
+    full["router.weight"] = ROUTER_EYE.clone()
     layer = MoELayer(cfg, state, layer_index=0)
     load_full_weights_(layer, full, state)
-    t = torch.arange(B * S)
-    x = torch.zeros(B * S, H)
-    x[t, t % E], x[t, (t + 1) % E] = 2.0, 1.0
-    x = x.view(B, S, H).requires_grad_(True)
+    x = patterned_tokens("balanced").requires_grad_(True)
     C.COMM_STATS.reset()
     y, aux = layer(x)
     forward = C.COMM_STATS.snapshot()

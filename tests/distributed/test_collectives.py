@@ -50,3 +50,42 @@ def test_collectives_values_autograd_and_bytes():
     assert s0["all_gather/ep_esp"] >= 8 * 3 * 4
     # rank 0 sends 0+1+2+3 rows of 2 floats, twice (forward + backward sends recv-split rows = same)
     assert s0["all_to_all/ep_esp"] == 6 * 2 * 4 * 2 + 6 * 2 * 4
+
+
+def _async_times(state):
+    """Rank 1 joins each op 0.3 s late. Op 1: rank 0 works 0.5 s before waiting, so the transfer
+    hides behind the work. Op 2: rank 0 waits at once and is blocked until rank 1 joins."""
+    import time
+
+    g, r = state.world, state.world.rank
+    C.COMM_STATS.reset()
+    out = {}
+    for name, work_s in (("hidden", 0.5), ("exposed", 0.0)):
+        if r == 1:
+            time.sleep(0.3)
+        pending = C.all_gather_v_async(torch.full((r + 1, 2), float(r)), g, [1, 2], kind=name)
+        time.sleep(work_s if r == 0 else 0.0)
+        gathered = pending.wait()
+        assert gathered[:, 0].tolist() == [0.0, 1.0, 1.0]
+        assert pending.wait() is not None  # a second wait records nothing more
+        C.barrier(g)
+    if r == 0:  # point-to-point: rank 1 sends 0.3 s late
+        C.p2p_exchange([], [(1, torch.empty(4))], g, kind="p2p").wait()
+    else:
+        time.sleep(0.3)
+        C.p2p_exchange([(0, torch.ones(4))], [], g, kind="p2p").wait()
+    times = C.COMM_STATS.seconds_by_kind()
+    return times, C.COMM_STATS.snapshot(), dict(C.COMM_STATS.calls)
+
+
+def test_async_ops_record_exposed_and_total_time():
+    """Async ops record the time blocked in wait() (exposed) and the span from issue to completion
+    (total); a synchronous op's exposed time equals its total (collectives.py docstring)."""
+    (times, nbytes, calls), (times1, nbytes1, _) = run_distributed(2, _async_times)
+    exposed, total = times["exposed"], times["total"]
+    assert total["hidden"] >= 0.45 and exposed["hidden"] < 0.15, times  # hidden behind 0.5 s of work
+    assert exposed["exposed"] >= 0.25 and total["exposed"] >= exposed["exposed"], times  # blocked ~0.3 s
+    assert exposed["p2p"] >= 0.25 and total["p2p"] >= exposed["p2p"], times  # receiver blocked
+    # all-gather-v counts its gathered output; point-to-point the bytes sent (the receiver: 0)
+    assert nbytes == {"hidden/world": 3 * 2 * 4, "exposed/world": 3 * 2 * 4, "p2p/world": 0}
+    assert nbytes1["p2p/world"] == 4 * 4 and calls["hidden/world"] == 1

@@ -1,5 +1,6 @@
 """tools/profile_comm.py writes a profile that `moe.schedule: auto` reads; benchmarks/moe_layer.py
-prints its JSON (Parm §V-A, issue 6). Small sizes: this checks the plumbing, not the speed."""
+computes the same layer output on every row and moves exactly Parm's volumes (Parm §V-A, §IV).
+Small sizes: this checks results and bytes, not speed (the fit itself: tests/unit/test_calibrate.py)."""
 import json
 import os
 import subprocess
@@ -8,7 +9,9 @@ import sys
 import pytest
 
 from megatron_moe.config import load_config, validate_config
-from megatron_moe.perf.hardware import load_profile
+from megatron_moe.perf.alpha_beta import fit_alpha_beta
+from megatron_moe.perf.calibrate import WIDTH
+from megatron_moe.perf.hardware import OPS, load_profile
 
 pytestmark = pytest.mark.e2e
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -26,21 +29,47 @@ def test_profile_comm_writes_a_profile_that_auto_reads(tmp_path):
     torchrun(4, "tools/profile_comm.py", "--tensor", "2", "--expert", "2", "--min-elements", "1024",
              "--max-elements", "16384", "--points", "3", "--reps", "2", "--out", str(out))
     profile = load_profile(str(out))
-    for op in (profile.mp_allgather, profile.ep_esp_alltoall, profile.saa):
-        # least-squares fit with its quality recorded; costs are non-negative and grow with size
-        assert op.alpha >= 0 and op.beta >= 0 and op.r2 is not None and op.r2 <= 1.0
+    assert profile.fit["layout"] == {"tensor": 2, "expert": 2, "expert_shard": 1} and profile.fit["world_size"] == 4
+    for op in OPS:
+        points = profile.fit["points"][op]
+        # the sizes asked for (1024, 4096, 16384), rounded to whole rows of WIDTH elements per rank
+        assert points["elements"] == [1024, 4096, 16384], op
+        assert all(e % WIDTH == 0 for e in points["elements"])
+        # the profile holds the least-squares fit of exactly the points it records
+        refit = fit_alpha_beta(points["elements"], points["seconds"])
+        fitted = getattr(profile, op)
+        assert (fitted.alpha, fitted.beta, fitted.r2) == pytest.approx((refit.alpha, refit.beta, refit.r2), rel=1e-4), op
     cfg = load_config("configs/gpt_moe_tiny.yaml", ["moe.schedule=auto", f"perf.hardware_profile={out}",
                                                     "parallel.tensor=2", "parallel.expert=2"])
     validate_config(cfg, 4)
 
 
-def test_benchmark_prints_every_schedule(tmp_path):
-    stdout = torchrun(4, "benchmarks/moe_layer.py", "--tensor", "2", "--expert", "2", "--reps", "1",
+def test_benchmark_rows_compute_the_same_layer_with_parms_volumes():
+    n, h, k, world, dp = 1 * 16, 32, 2, 4, 2  # --batch 1 --seq 16 --hidden 32, tensor 2 x expert 2
+    stdout = torchrun(world, "benchmarks/moe_layer.py", "--tensor", "2", "--expert", "2", "--reps", "1",
                       "--warmup", "0", "--batch", "1", "--seq", "16", "--hidden", "32", "--ffn", "64")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    assert {"baseline", "s1", "s2", "s2_saa", "auto"} <= result["results"].keys()
-    for name, row in result["results"].items():
-        assert row["ms_median"] > 0 and row["speedup_vs_baseline"] > 0, name
-    # s1/s2 move no ESP/EP-only traffic: their all-to-all runs on ep_esp
-    assert "all_to_all/ep_esp" in result["results"]["s1"]["bytes"]
-    assert "all_to_all/ep" in result["results"]["baseline"]["bytes"]
+    rows = json.loads(stdout.strip().splitlines()[-1])["results"]
+    assert set(rows) == {"baseline", "s1", "s2", "s2_saa", "auto", "auto_saa", "auto_saa_s1_phased"}
+    for name, row in rows.items():
+        assert row["max_abs_diff_vs_baseline"] < 1e-5, name  # outputs ~1: float rounding only
+        assert set(row["exposed_ms"]) == set(row["total_ms"]) >= {k.split("/")[0] for k in row["bytes"]}, name
+    # bytes over all ranks of one forward + backward, dropless (fp32 rows of h values):
+    # one trip of a micro-batch's assignments = n k rows; the baseline sends every TP copy
+    trip = n * k * 4 * h
+    assert rows["baseline"]["bytes_all_ranks"]["all_to_all/ep"] == 4 * world * trip  # Eq. 1: N_MP copies
+    for name in ("s1", "s2", "s2_saa", "auto", "auto_saa", "auto_saa_s1_phased"):
+        got = rows[name]["bytes_all_ranks"]
+        p2p = got.get("all_to_all_p2p/ep_esp", 0)
+        if p2p:  # SAA: the second trip of each direction phased, a rank's own slice never sent
+            assert got["all_to_all/ep_esp"] == 2 * dp * trip and 0 < p2p < 2 * dp * trip, name
+        else:  # Eq. 7 / 11: each micro-batch's assignments once per trip, 4 trips
+            assert got["all_to_all/ep_esp"] == 4 * dp * trip, name
+        picked = rows[name].get("picked", name[:2])
+        # MP-AllGather, forward + backward of the MP-Split: S1 gathers B L M, S2 gathers E T M;
+        # auto's S1 splits after the gate, so its backward also gathers the combine weights' gradient
+        weights_grad = world * n * k * 4 if picked == "s1" and name.startswith("auto") else 0
+        assert got["all_gather/tp"] == 2 * world * (n if picked == "s1" else n * k) * 4 * h + weights_grad, name
+        assert "all_to_all/ep" not in got and not any(key.endswith("/esp") for key in got), name
+    # SAA belongs to S2: with S1 picked, only the pre-fix row phases its combine
+    assert bool(rows["auto_saa"]["bytes"].get("all_to_all_p2p/ep_esp")) == (rows["auto_saa"]["picked"] == "s2")
+    assert "all_to_all_p2p/ep_esp" in rows["auto_saa_s1_phased"]["bytes"]

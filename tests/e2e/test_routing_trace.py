@@ -91,6 +91,10 @@ def test_metrics_and_tensorboard_agree_with_trace(run):
         assert set(r["time_ms"]) == {"forward", "backward", "optimizer", "comm_wait"}
         assert all(v > 0 for v in r["time_ms"].values())
         assert r["comm_bytes"]["all_to_all"] > 0
+        # every op kind with bytes has times; synchronous ops: exposed == total
+        assert set(r["comm_exposed_ms"]) == set(r["comm_total_ms"]) == set(r["comm_bytes"])
+        assert r["comm_exposed_ms"]["all_to_all"] == pytest.approx(r["comm_total_ms"]["all_to_all"])
+        assert sum(r["comm_exposed_ms"].values()) == pytest.approx(r["time_ms"]["comm_wait"])
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
     assert [e.step for e in events.Images("expert_load/heatmap")] == [2]  # image_interval=2
     tags = events.Tags()["scalars"]

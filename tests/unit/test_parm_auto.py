@@ -53,9 +53,14 @@ def test_alg1_matches_closed_form_on_table3_grid(path, saa):
 
 def test_online_assignments_follow_the_busiest_ep_rank():
     assert capacity_assignments(8, 2, 1.0) == 16
-    assert dispatched_assignments(torch.tensor([4, 4, 4, 4]), 2) == 16  # balanced: k B L
-    assert dispatched_assignments(torch.tensor([6, 4, 4, 2]), 2) == 20  # EP rank 0 holds 10
-    assert dispatched_assignments(torch.tensor([6, 4, 4, 2]), 4) == 24
+    # rows per EP rank of one ep_esp group (placement.tokens_per_ep_rank()) -> E T of a micro-batch:
+    # tensor 2, expert 2: the group is one micro-batch (16 assignments) split over its 2 TP ranks
+    assert dispatched_assignments(torch.tensor([8, 8]), n_mp=2, n_esp=1) == 16  # balanced: k B L
+    assert dispatched_assignments(torch.tensor([10, 6]), n_mp=2, n_esp=1) == 20  # EP rank 0 bottleneck
+    # expert 2, expert_shard 2, tensor 1: four micro-batches of 16 assignments in the group
+    assert dispatched_assignments(torch.tensor([32, 32]), n_mp=1, n_esp=2) == 16
+    # tensor 4, expert 2: the group holds half of one micro-batch
+    assert dispatched_assignments(torch.tensor([4, 4]), n_mp=4, n_esp=1) == 16
     # threshold profile: t_D1 = B L M, t_D2 = 0.5 (E T) M N_ESP / N_MP -> S1 iff E T >= 32
     profile = HardwareProfile("t", AlphaBeta(0, 1), AlphaBeta(0, 0), AlphaBeta(0, 0.5))
     assert choose_schedule(profile, 8, 4, 16, n_mp=2, n_esp=1) == "s2"
@@ -63,6 +68,10 @@ def test_online_assignments_follow_the_busiest_ep_rank():
     # AAS: t_D2 = AG_MP(E T M) against t_D1's AG_MP(B L M): S2 iff fewer assignments than tokens (drops)
     assert choose_schedule(profile, 8, 4, 7, n_mp=2, n_esp=1, saa=False) == "s2"
     assert choose_schedule(profile, 8, 4, 8, n_mp=2, n_esp=1, saa=False) == "s1"
+    # each candidate with its own E T (online: S1's and S2's placements differ): t_D1 from the
+    # first, t_D2 from the second
+    assert choose_schedule(profile, 8, 4, 16, n_mp=2, n_esp=1, assignments_s2=64) == "s1"
+    assert choose_schedule(profile, 8, 4, 64, n_mp=2, n_esp=1, assignments_s2=16) == "s2"
 
 
 def test_fit_alpha_beta():
@@ -116,6 +125,13 @@ def test_config_rules(tmp_path):
                                (["moe.schedule=s1", f"perf.hardware_profile={tmp_path}/none.yaml"], "no such file")]:
         with pytest.raises(ConfigError, match=message):
             validate_config(load_config(None, overrides), 1)
+    # auto's pick must agree over TP and ep_esp groups: one of the two sizes divides the other
+    auto = ["moe.schedule=auto", f"perf.hardware_profile={profile}", "moe.num_experts=6", "parallel.tensor=2",
+            "training.micro_batch_size=1", "training.global_batch_size=12"]
+    with pytest.raises(ConfigError, match=r"parallel.tensor=2 and parallel.expert\*parallel.expert_shard=3"):
+        validate_config(load_config(None, auto + ["parallel.expert=3"]), 6)
+    validate_config(load_config(None, auto + ["parallel.expert=3", "moe.schedule=s2"]), 6)  # fixed picks: fine
+    validate_config(load_config(None, auto + ["moe.num_experts=4", "parallel.expert=4"]), 8)
 
 
 def test_single_process_schedules_equal_reference():
@@ -127,3 +143,43 @@ def test_single_process_schedules_equal_reference():
         result = run_layer(state, cfg, full, xs, gs)
         check_against_reference([result], index, RankLayout(world_size=1), schedule)
         assert result["stats"].schedule == ("s1" if schedule == "auto" else schedule)
+
+
+class _FixedRows:
+    """A stand-in balancer whose placement puts `rows` on each EP rank whatever the counts say."""
+
+    def __init__(self, rows):
+        self.rows, self.calls = rows, []
+
+    def plan(self, counts, source_ep_ranks):
+        self.calls.append((counts.clone(), list(source_ep_ranks)))
+        rows = torch.tensor(self.rows)
+        return type("Rows", (), {"tokens_per_ep_rank": lambda _: rows})()
+
+
+def test_auto_chooses_from_the_balancers_placement(tmp_path):
+    """Alg. 1's E T comes from the rows the balancer's Placement gives each EP rank (route -> plan
+    -> choose), one plan per candidate with that candidate's per-source counts."""
+    from megatron_moe.moe.router import Router
+    from megatron_moe.moe.schedules.parm import Auto, AutoRouted
+
+    layout = RankLayout(world_size=4, tensor=2, expert=2)
+    state = ParallelState.build(layout, rank=0)  # no process group: tp/ep_esp sizes only
+    cfg, full, xs, _ = case_data(0, 1)  # dropless top-2, B S = 8 tokens: 16 assignments
+    cfg.moe.schedule, cfg.moe.saa = "auto", True
+    # threshold profile: t_D1 = B L M, t_D2 = 0.5 (E T) M N_ESP / N_MP -> S1 iff E T >= 32
+    cfg.perf.hardware_profile = str(tmp_path / "threshold.yaml")
+    save_profile(HardwareProfile("t", AlphaBeta(0, 1), AlphaBeta(0, 0), AlphaBeta(0, 0.5)), cfg.perf.hardware_profile)
+    router = Router(cfg, state)
+    router.weight.data.copy_(full["router.weight"])
+    x = xs[0].reshape(-1, xs.shape[-1])
+    routing = router(x)
+    counts = torch.tensor([[4, 4, 0, 0], [0, 0, 4, 4]])  # balanced per source: owner loads 8 / 8
+    auto = Auto(cfg, state)
+    for rows, expected in [([8, 8], "s2"), ([16, 0], "s1")]:  # E T = max rows * N_MP = 16 / 32
+        balancer = _FixedRows(rows)
+        routed = AutoRouted(routing, counts, router, x, counts.flip(0))
+        auto.place(routed, balancer)
+        assert routed.chosen.choice == expected, rows
+        assert [c[1] for c in balancer.calls] == [[0, 1], [0, 1]]  # sources = ep_esp ranks -> EP ranks
+        assert torch.equal(balancer.calls[0][0], counts.flip(0)) and torch.equal(balancer.calls[1][0], counts)

@@ -8,6 +8,7 @@ in each MoE layer, so a policy may keep per-layer history.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import List
 
 import torch
 
@@ -23,14 +24,16 @@ class Balancer(ABC):
         self.ep_size = state.ep_size
 
     @abstractmethod
-    def plan(self, counts: torch.Tensor) -> Placement:
+    def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
         """counts Long[S, E]: kept assignments of each of the schedule's sources per expert
-        (identical on every rank that executes the placement)."""
+        (identical on every rank that executes the placement); source_ep_ranks[s]: the EP rank
+        source s sits on (keeping a source's rows there needs no all-to-all). A pure function of
+        its arguments and the balancer's state: Parm `auto` plans two candidates per forward."""
 
 
 @BALANCERS.register("none")
 class OwnerOnly(Balancer):
     """No balancing: each expert's tokens all go to its owner (the classic EP placement)."""
 
-    def plan(self, counts: torch.Tensor) -> Placement:
+    def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
         return Placement.owner_only(counts, self.ep_size)

@@ -3,7 +3,7 @@
 `MoELayer` drives every schedule the same way::
 
     routed = schedule.route(router, x)             # gate + the communication that yields counts [S, E]
-    placement = balancer.plan(routed.counts)       # Placement over the schedule's sources
+    placement = schedule.place(routed, balancer)   # balancer.plan(counts, sources) -> Placement
     y = schedule.run(routed, placement, experts)   # dispatch -> experts -> combine
 
 A schedule owns everything between the replicated hidden states `x` [n, h] and the replicated
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -66,6 +66,14 @@ class Schedule(ABC):
     @abstractmethod
     def combine(self, expert_output: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Expert outputs [m, h] (this ESP shard's partial sums) -> y [n, h] for this rank's tokens."""
+
+    @abstractmethod
+    def source_ep_ranks(self) -> List[int]:
+        """The EP rank of each of this schedule's sources (rows of `Routed.counts`)."""
+
+    def place(self, routed: Routed, balancer) -> Placement:
+        """The balancer's Placement for `routed`'s counts (Parm `auto` also picks S1/S2 here)."""
+        return balancer.plan(routed.counts, self.source_ep_ranks())
 
     def stats(self, routed: Routed, placement: Placement) -> MoEStats:
         """This forward's statistics (`MoELayer.last_stats`)."""

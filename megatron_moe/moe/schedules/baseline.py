@@ -70,6 +70,9 @@ class BaselineSchedule(Schedule):
         super().__init__(cfg, state)
         self.expert_grad_scale = 1.0 / state.tp_size
 
+    def source_ep_ranks(self) -> List[int]:
+        return list(range(self.state.ep_size))  # after the ESP-AllGather, the sources are the ep ranks
+
     def route(self, router: Router, x: torch.Tensor) -> BaselineRouted:
         routing = router(x)  # step 1: the whole TP-replicated micro-batch
         esp = self.state.esp

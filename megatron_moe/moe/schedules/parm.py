@@ -28,11 +28,20 @@ SAA, §III-D / Fig. 5 (`moe.saa: true`; false = AAS, all-to-all then all-gather)
   MP-AllGather carry combined rows (ETM) rather than N_ESP partial sums. The same phased
   exchange is the backward of S2's dispatch (reverse all-to-all, then the MP-Split's all-gather).
 auto, §V / Alg. 1 (`moe.schedule: auto`, `perf.hardware_profile`)
-  Gates like S2, then picks S1 or S2 (with SAA, or AAS when `moe.saa` is false) per layer and
-  forward from the routed counts (`perf/parm_model.py`), identical on the TP ranks that must agree. `ep_esp` peers in
-  other TP groups may pick differently: both move rows with the same `ep_esp` collectives (with
-  SAA, the phased exchange in both). S1 picked: tokens and combine weights are MP-Split after
-  the gate. `MoEStats.schedule` records the pick.
+  route -> plan -> choose, per layer and forward:
+  1. Gate on the replicated micro-batch, like S2 (deliberately not S1's MP-Split first: the
+     choice needs the micro-batch's counts, and routing it whole costs each TP rank the gate of
+     B L tokens instead of B L / N_MP, E / (2 k ffn) of the expert FLOPs; docs/parm.md).
+  2. Both candidates' per-source counts (S1: each TP rank's token piece; S2: each TP rank's chunk
+     of every expert) are computed locally from the replicated routing and all-gathered over
+     `ep_esp` in one collective; the balancer plans a Placement for each.
+  3. Alg. 1 (`perf/parm_model.py`) compares t_D1 (E T from S1's placement rows) with t_D2 (from
+     S2's). Every member of an `ep_esp` group computes the same numbers from the same gathered
+     counts; when a TP group spans several `ep_esp` groups (tensor > expert * expert_shard) the two
+     E T estimates are max-reduced over `tp` first. So one pick holds for every rank that shares a
+     collective, and S1 runs its plain EP&ESP-AlltoAll while SAA runs only under S2.
+  S1 picked: tokens and combine weights are MP-Split after the gate. `MoEStats.schedule`
+  records the pick.
 
 EP&ESP-AlltoAll, §III-C / Fig. 4(c)(d): one all-to-all-v over `ep_esp` whose Placement sources
 are its ep * esp ranks. Local Dump: a row for EP rank q goes to each of q's N_ESP shard holders
@@ -71,6 +80,7 @@ from megatron_moe.tensor_parallel import copy_to_tp_region, reduce_from_tp_regio
 COUNTS_KIND = "all_gather_counts"  # byte-counter labels of the metadata collectives
 ROUTING_KIND = "all_gather_routing"
 SAA_KIND = "all_to_all_p2p"  # SAA's phased all-to-all: bytes actually sent (own slice excluded)
+CHOICE_KIND = "auto_choice"  # auto's E T estimates, max-reduced over tp when a TP group spans ep_esp groups
 
 
 @dataclass
@@ -199,13 +209,12 @@ class EpEspExchange:
             parts = [blocks[ep_esp.rank] if frm * esp + j == ep_esp.rank else out.new_empty((self.per_ep[frm], hidden))
                      for j in range(esp)]
             recvs = [(frm * esp + j, parts[j]) for j in range(esp) if frm * esp + j != ep_esp.rank]
-            for request in C.p2p_exchange(sends, recvs, ep_esp, kind=SAA_KIND):
-                request.wait()
+            C.p2p_exchange(sends, recvs, ep_esp, kind=SAA_KIND).wait()
             combined = reduce(add, parts)  # local combine [rows for EP rank frm, h]
             sizes = [per_ep[(q - phase) % ep] for q, per_ep, _ in self.peers]
-            gathers.append(C.all_gather_v_async(combined, state.tp, sizes) if len(self.peers) > 1
-                           else C.PendingGather(None, [combined], sizes))
-        by_phase = [g.wait().split(g.sizes) for g in gathers]  # [phase][peer] block
+            gathers.append((C.all_gather_v_async(combined, state.tp, sizes) if len(self.peers) > 1
+                            else C.Pending.completed(lambda c=combined: c), sizes))
+        by_phase = [g.wait().split(sizes) for g, sizes in gathers]  # [phase][peer] block
         pieces = []
         for t, (q_t, _, send_order) in enumerate(self.peers):
             in_send_order = torch.cat([by_phase[(q_t - q) % ep][t] for q in range(ep)])
@@ -228,39 +237,49 @@ class _Exchange(torch.autograd.Function):
 
 
 class ParmSchedule(Schedule):
-    """What S1, S2 and auto share: the ep_esp counts, dispatch, combine and statistics."""
+    """What S1, S2 and auto share: counts, dispatch, combine and statistics."""
 
     expert_grad_scale = 1.0  # PauseMP: no token is computed twice
 
-    def _counts(self, local: torch.Tensor) -> torch.Tensor:
-        """Long[ep*esp, E] on the CPU: each ep_esp source's rows per expert (`local` [E] is ours)."""
-        return C.all_gather(local, self.state.ep_esp, kind=COUNTS_KIND).view(-1, local.numel()).cpu()
+    def source_ep_ranks(self) -> List[int]:
+        return [source // self.state.esp_size for source in range(self.state.ep_esp.size)]
+
+    def _gather_counts(self, local: torch.Tensor) -> torch.Tensor:
+        """local [..., E] (ours) -> Long[ep*esp, ..., E] on the CPU: every ep_esp source's counts."""
+        gathered = C.all_gather(local.reshape(1, -1), self.state.ep_esp, kind=COUNTS_KIND)
+        return gathered.view((-1,) + tuple(local.shape)).cpu()
 
     def _dropped(self, routing: Routing, num_tokens: int, router: Router) -> int:
         capacity = expert_capacity(num_tokens, router.num_experts, router.top_k, router.capacity_factor)
         return 0 if capacity is None else int((routing.tokens_per_expert - capacity).clamp(min=0).sum())
 
-    def _token_split(self, router: Router, routing: Routing, tokens: torch.Tensor, sizes: List[int]) -> ParmRouted:
-        """S1 from this TP rank's routed tokens."""
+    def _token_split(self, router: Router, routing: Routing, tokens: torch.Tensor, sizes: List[int],
+                     counts: torch.Tensor) -> ParmRouted:
+        """S1 from this TP rank's routed tokens; `counts` Long[S, E] of every source's piece."""
         slots = _kept_slots(routing.expert_ids, routing.kept)
-        local = torch.bincount(routing.expert_ids.flatten()[slots], minlength=router.num_experts)
-        return ParmRouted(routing, self._counts(local), "s1", tokens, routing.weights, slots, None,
-                          sizes, self._dropped(routing, sum(sizes), router))
+        return ParmRouted(routing, counts, "s1", tokens, routing.weights, slots, None, sizes,
+                          self._dropped(routing, sum(sizes), router))
 
-    def _expert_split(self, router: Router, routing: Routing, x: torch.Tensor) -> ParmRouted:
-        """S2 step 2 from the whole micro-batch's routing: chunk t of every expert's assignments."""
+    def _expert_split(self, router: Router, routing: Routing, x: torch.Tensor,
+                      counts: Optional[torch.Tensor] = None) -> ParmRouted:
+        """S2 step 2 from the whole micro-batch's routing: chunk t of every expert's assignments.
+        `counts` (every source's chunk counts) is gathered here unless given."""
         tp = self.state.tp
         slots = _kept_slots(routing.expert_ids, routing.kept)
-        kept = torch.bincount(routing.expert_ids.flatten()[slots], minlength=router.num_experts)  # [E]
-        ranks = torch.arange(tp.size, device=kept.device).unsqueeze(1)
-        chunks = kept // tp.size + (ranks < kept % tp.size).long()  # [tp, E]
+        chunks = _expert_chunks(routing.expert_ids.flatten()[slots], router.num_experts, tp.size)  # [tp, E]
+        kept = chunks.sum(0)
         starts = _exclusive_cumsum(kept) + torch.cumsum(chunks, 0) - chunks  # [tp, E] in `slots`
         slots = slots[_block_index(starts.flatten(), chunks.flatten())]  # TP pieces, experts ascending
-        return ParmRouted(routing, self._counts(chunks[tp.rank]), "s2", x, routing.weights, slots,
-                          chunks.sum(1).tolist(), None, self._dropped(routing, x.shape[0], router))
+        counts = self._gather_counts(chunks[tp.rank]) if counts is None else counts
+        return ParmRouted(routing, counts, "s2", x, routing.weights, slots, chunks.sum(1).tolist(), None,
+                          self._dropped(routing, x.shape[0], router))
+
+    def uses_saa(self, routed: ParmRouted) -> bool:
+        """SAA is S2's combine (§III-D); S1 has no MP-AllGather of expert outputs to overlap."""
+        return self.cfg.moe.saa and routed.choice == "s2"
 
     def dispatch(self, routed: ParmRouted, placement: Placement) -> Tuple[ExpertBatch, Tuple]:
-        exchange = EpEspExchange(self.state, placement, routed.piece_rows, self.cfg.moe.saa, routed.tokens.device)
+        exchange = EpEspExchange(self.state, placement, routed.piece_rows, self.uses_saa(routed), routed.tokens.device)
         rows = routed.tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h]
         p = self.state.ep.rank
         batch = ExpertBatch(_Exchange.apply(rows, exchange, "down"), placement.experts_on(p), placement.expert_counts(p))
@@ -280,12 +299,29 @@ class ParmSchedule(Schedule):
         return MoEStats(routed.routing.tokens_per_expert, routed.dropped, placement.tokens_per_ep_rank(), routed.choice)
 
 
+def _expert_chunks(kept_ids: torch.Tensor, num_experts: int, parts: int) -> torch.Tensor:
+    """S2's MP-Split: kept assignments' expert ids -> Long[parts, E], expert e's m_e assignments
+    dealt in contiguous chunks (m_e / parts each, the first m_e % parts parts one more)."""
+    kept = torch.bincount(kept_ids, minlength=num_experts)  # [E]
+    ranks = torch.arange(parts, device=kept.device).unsqueeze(1)
+    return kept // parts + (ranks < kept % parts).long()
+
+
+def _tp_piece(state: ParallelState, num_tokens: int) -> Tuple[List[int], int, int]:
+    """S1's MP-Split of `num_tokens` tokens: (sizes per TP rank, this rank's start, end)."""
+    sizes = _even_split(num_tokens, state.tp_size)
+    start = sum(sizes[: state.tp.rank])
+    return sizes, start, start + sizes[state.tp.rank]
+
+
 @SCHEDULES.register("s1")
 class S1(ParmSchedule):
     def route(self, router: Router, x: torch.Tensor) -> ParmRouted:
-        sizes = _even_split(x.shape[0], self.state.tp_size)
+        sizes, _, _ = _tp_piece(self.state, x.shape[0])
         piece = C.split_v_autograd(x, self.state.tp, sizes)  # MP-Split [n_t, h]
-        return self._token_split(router, _route_tp_piece(router, piece, x.shape[0], self.state.tp), piece, sizes)
+        routing = _route_tp_piece(router, piece, x.shape[0], self.state.tp)
+        local = torch.bincount(routing.expert_ids[routing.kept], minlength=router.num_experts)
+        return self._token_split(router, routing, piece, sizes, self._gather_counts(local))
 
 
 @SCHEDULES.register("s2")
@@ -294,24 +330,63 @@ class S2(ParmSchedule):
         return self._expert_split(router, router(x), x)
 
 
+@dataclass
+class AutoRouted(Routed):
+    """auto's route: the whole micro-batch's routing and both candidates' counts; `place` picks."""
+
+    router: Router
+    x: torch.Tensor  # [n, h] the replicated micro-batch
+    counts_s1: torch.Tensor  # Long[S, E] every source's S1 token-piece counts (`counts`: S2's chunks)
+    chosen: Optional[ParmRouted] = None  # set by `place`
+
+
 @SCHEDULES.register("auto")
 class Auto(ParmSchedule):
-    """Alg. 1 per layer and forward, on the routed counts (module docstring)."""
+    """Alg. 1 per layer and forward: route -> plan both candidates -> choose (module docstring)."""
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
         self.profile = load_profile(cfg.perf.hardware_profile)
+        # a TP group spanning several ep_esp groups must max-reduce the estimates (validate.py
+        # refuses layouts where neither of tensor and expert * expert_shard divides the other)
+        self.reduce_over_tp = state.tp_size > state.ep_esp.size
 
-    def route(self, router: Router, x: torch.Tensor) -> ParmRouted:
-        routing = router(x)  # replicated over tp: the same numbers, hence the same choice, on every TP rank
-        kept = torch.bincount(routing.expert_ids[routing.kept], minlength=router.num_experts).cpu()
-        state = self.state
-        choice = choose_schedule(self.profile, x.shape[0], x.shape[1], dispatched_assignments(kept, state.ep_size),
-                                 state.tp_size, state.esp_size, self.cfg.moe.saa)
+    def route(self, router: Router, x: torch.Tensor) -> AutoRouted:
+        routing = router(x)  # replicated over tp: every TP rank knows every candidate's counts
+        ids = routing.expert_ids.masked_fill(~routing.kept, -1)  # [n, k], -1 = dropped
+        _, start, end = _tp_piece(self.state, x.shape[0])
+        kept_ids = ids[ids >= 0]
+        s1 = torch.bincount(ids[start:end][ids[start:end] >= 0], minlength=router.num_experts)
+        s2 = _expert_chunks(kept_ids, router.num_experts, self.state.tp_size)[self.state.tp.rank]
+        counts = self._gather_counts(torch.stack([s1, s2]))  # [S, 2, E]
+        return AutoRouted(routing, counts[:, 1], router, x, counts[:, 0])
+
+    def place(self, routed: AutoRouted, balancer) -> Placement:
+        sources = self.source_ep_ranks()
+        placements = {"s1": balancer.plan(routed.counts_s1, sources), "s2": balancer.plan(routed.counts, sources)}
+        choice = self._choose(routed.x, placements)
+        routing, x, router, state = routed.routing, routed.x, routed.router, self.state
         if choice == "s2":
-            return self._expert_split(router, routing, x)
-        sizes = _even_split(x.shape[0], state.tp_size)
-        start, end = sum(sizes[: state.tp.rank]), sum(sizes[: state.tp.rank + 1])
-        piece = Routing(routing.expert_ids[start:end], C.split_v_autograd(routing.weights, state.tp, sizes),
-                        routing.kept[start:end], routing.tokens_per_expert, routing.aux_loss)
-        return self._token_split(router, piece, C.split_v_autograd(x, state.tp, sizes), sizes)
+            routed.chosen = self._expert_split(router, routing, x, routed.counts)
+        else:
+            sizes, start, end = _tp_piece(state, x.shape[0])
+            piece = Routing(routing.expert_ids[start:end], C.split_v_autograd(routing.weights, state.tp, sizes),
+                            routing.kept[start:end], routing.tokens_per_expert, routing.aux_loss)
+            routed.chosen = self._token_split(router, piece, C.split_v_autograd(x, state.tp, sizes), sizes,
+                                              routed.counts_s1)
+        return placements[choice]
+
+    def _choose(self, x: torch.Tensor, placements) -> str:
+        state = self.state
+        assignments = torch.tensor([dispatched_assignments(placements[c].tokens_per_ep_rank(), state.tp_size,
+                                                           state.esp_size) for c in ("s1", "s2")], dtype=torch.float64)
+        if self.reduce_over_tp:
+            C.all_reduce(assignments, state.tp, op="max", kind=CHOICE_KIND)
+        return choose_schedule(self.profile, x.shape[0], x.shape[1], float(assignments[0]), state.tp_size,
+                               state.esp_size, self.cfg.moe.saa, assignments_s2=float(assignments[1]))
+
+    def dispatch(self, routed: AutoRouted, placement: Placement):
+        return super().dispatch(routed.chosen, placement)
+
+    def stats(self, routed: AutoRouted, placement: Placement) -> MoEStats:
+        return super().stats(routed.chosen, placement)

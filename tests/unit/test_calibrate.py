@@ -1,0 +1,37 @@
+"""The profile fit `tools/profile_comm.py` (and start-up calibration) runs: on synthetic timings
+with known alpha and beta per op it must recover them (perf/calibrate.py, Parm §V-A)."""
+import pytest
+
+from megatron_moe.perf.calibrate import fit_profile, geometric_sizes
+from megatron_moe.perf.hardware import OPS, load_profile, save_profile
+
+TRUE = {"mp_allgather": (5e-3, 1.2e-8), "ep_esp_alltoall": (3.7e-3, 6.3e-9), "saa": (7.5e-3, 6.6e-8)}
+
+
+def _synthetic(noise: float):
+    """op -> (elements, seconds) at the tool's default sizes, alpha + beta x times (1 +- noise)."""
+    sizes = geometric_sizes(1 << 14, 1 << 20, 6)
+    assert sizes[0] == 1 << 14 and sizes[-1] == 1 << 20 and len(sizes) == 6
+    return {op: (sizes, [(a + b * x) * (1 + noise * (-1) ** i) for i, x in enumerate(sizes)])
+            for op, (a, b) in TRUE.items()}
+
+
+def test_fit_recovers_known_costs(tmp_path):
+    exact = fit_profile("synthetic", _synthetic(0.0), {"layout": {"tensor": 2}})
+    for op in OPS:
+        alpha, beta = TRUE[op]
+        fitted = getattr(exact, op)
+        assert fitted.alpha == pytest.approx(alpha, rel=1e-9) and fitted.beta == pytest.approx(beta, rel=1e-9), op
+        assert fitted.r2 == pytest.approx(1.0)
+    noisy = fit_profile("synthetic", _synthetic(0.03), {})
+    for op in OPS:  # +-3% alternating noise: beta within 5%, alpha within 30% (it is the small term)
+        alpha, beta = TRUE[op]
+        fitted = getattr(noisy, op)
+        assert fitted.beta == pytest.approx(beta, rel=0.05) and fitted.alpha == pytest.approx(alpha, rel=0.3), op
+        assert 0.95 < fitted.r2 < 1.0
+    # the measured points travel with the profile and survive the YAML round trip
+    save_profile(noisy, str(tmp_path / "p.yaml"))
+    loaded = load_profile(str(tmp_path / "p.yaml"))
+    assert loaded.saa == noisy.saa and loaded.fit["points"]["saa"]["elements"][-1] == 1 << 20
+    with pytest.raises(ValueError, match="no timings"):
+        fit_profile("partial", {"saa": _synthetic(0.0)["saa"]}, {})
