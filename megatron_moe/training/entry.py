@@ -4,6 +4,10 @@
     (before any process group) -> launch.initialize -> ParallelState
     -> Trainer(cfg, state, model_cls, datasets).train()
 
+    --check-config [--world-size N] --config FILE ...  ->  the same checks for N processes, then exit
+    (0 = ok; no process group, no model). The launchers in scripts/ run it once before starting the
+    ranks, so a bad config is reported once and no launcher adds its own failure report.
+
 A bad config prints one line `config error: ...` to stderr (rank 0) and exits with code 2, no
 traceback; so does a checkpoint that `checkpoint.load` names but that cannot be resumed (missing,
 not a checkpoint, corrupt, another model or global batch size): `config error: checkpoint.load=PATH:
@@ -29,12 +33,16 @@ CONFIG_ERROR_EXIT = 2
 def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "",
          datasets: Optional[Callable] = None) -> int:
     """`datasets(cfg) -> (train, valid)` builds the model's samples (None: GPT's)."""
-    path, overrides = parse_cli(argv, description)
+    args = parse_cli(argv, description)
     info = launch.detect_launch()
     try:
-        cfg = load_config(path, overrides)
-        validate_config(cfg, info.world_size)
+        cfg = load_config(args.config, args.overrides)
+        world_size = args.world_size or info.world_size
+        validate_config(cfg, world_size)
         validate_data_config(cfg)
+        if args.check_config:
+            print(f"config ok: {args.config} on {world_size} process{'es' if world_size > 1 else ''}")
+            return 0
         try:
             train(cfg, model_cls, datasets)
         except CheckpointError as exc:  # resuming from what checkpoint.load names failed
