@@ -2,7 +2,8 @@
 
 `sbatch --wait -N1 -n4 scripts/slurm/pretrain_gpt_moe.sbatch --config ... overrides` trains 4 gloo
 ranks started by srun; the job's log and the run's metrics.jsonl are checked. Skips (saying why)
-only where slurm-wlm/munge are not installed or we are not root; .ci/run installs them.
+only where slurm-wlm/munge are not installed or we are not root, and fails there under CI=true;
+.ci/run installs them.
 The config check before srun runs everywhere: the job body with a stand-in `srun` on PATH.
 """
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.slurm_cluster import slurm_cluster, unavailable_reason
+from tests.e2e.slurm_cluster import require_slurm, slurm_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -27,9 +28,7 @@ TINY = ["training.train_iters=3", "training.log_interval=1", "training.eval_inte
 
 @pytest.fixture(scope="module")
 def slurm_env(tmp_path_factory):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_slurm()
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
         yield dict(env, PYTHON=sys.executable)
 
