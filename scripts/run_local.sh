@@ -3,6 +3,7 @@
 #   scripts/run_local.sh NPROC CONFIG [section.key=value ...]
 #   scripts/run_local.sh 4 configs/gpt_moe_tiny.yaml parallel.expert=2 training.train_iters=20
 # ENTRY=pretrain_bert_moe.py selects the BERT entry point; OMP_NUM_THREADS defaults to 1.
+# The config is checked once for NPROC processes first: a bad one is one line, exit 2, no workers.
 set -euo pipefail
 if [ $# -lt 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: $0 NPROC CONFIG [section.key=value ...]" >&2
@@ -13,5 +14,6 @@ shift 2
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/python_env.sh"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-  "$ROOT/${ENTRY:-pretrain_gpt_moe.py}" --config "$CONFIG" "$@"
+entry=$ROOT/${ENTRY:-pretrain_gpt_moe.py}
+"$PYTHON" "$entry" --check-config --world-size "$NPROC" --config "$CONFIG" "$@" >/dev/null || exit $?
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$entry" --config "$CONFIG" "$@"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -63,10 +63,18 @@ def save_config(cfg: Config, path: str) -> None:
         f.write(to_yaml(cfg))
 
 
-def parse_cli(argv: Optional[List[str]] = None, description: str = "") -> Tuple[Optional[str], List[str]]:
-    """`--config FILE section.key=value ...` -> (path, overrides)."""
+def parse_cli(argv: Optional[List[str]] = None, description: str = "") -> argparse.Namespace:
+    """The entry points' command line: `[--check-config [--world-size N]] --config FILE section.key=value ...`
+    -> Namespace(config, overrides, check_config, world_size)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="only validate the config (no process group, no model) and exit: 0 = ok, 2 = config error")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="with --check-config: the number of processes the launch will have "
+                             "(default: this process's launcher environment, 1 without one)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
     args = parser.parse_args(argv)
-    return args.config, list(args.overrides)
+    if args.world_size is not None and (not args.check_config or args.world_size < 1):
+        parser.error("--world-size N (N >= 1) goes with --check-config")
+    return args

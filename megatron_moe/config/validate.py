@@ -110,6 +110,19 @@ def _check_checkpoint(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.save_interval={ck.save_interval} needs checkpoint.dir")
     if ck.load == "auto" and not ck.dir:
         raise ConfigError("checkpoint.load=auto needs checkpoint.dir")
+    if ck.load not in (None, "auto"):  # a path: a checkpoint or a root of iter_<k> checkpoints (names only)
+        from megatron_moe.training.checkpoint import is_checkpoint_root
+        from megatron_moe.training.checkpoint_io import CheckpointError
+
+        try:
+            is_checkpoint_root(ck.load)
+        except CheckpointError as exc:
+            raise checkpoint_load_error(ck.load, exc) from None
+
+
+def checkpoint_load_error(load: str, exc: Exception) -> ConfigError:
+    """The one-line error for a checkpoint that `checkpoint.load` names but that cannot be resumed."""
+    return ConfigError(f"checkpoint.load={load}: {exc}")
 
 
 def _check_registries(cfg: Config) -> None:

@@ -36,8 +36,8 @@ class Dense(torch.nn.Module):
 
     def __init__(self, in_features: int, out_features: int, state: ParallelState, std: float):
         super().__init__()
-        self.weight = make_param(ParamMeta("dense", (out_features, in_features), std=std), state)
-        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros"), state)
+        self.weight = make_param(ParamMeta("dense", (out_features, in_features), std=std, role="weight"), state)
+        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros", role="bias"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -57,7 +57,7 @@ class BertMoEModel(torch.nn.Module):
         self.mlm_dense = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
         self.mlm_norm = build_norm(m, state)
         self.mlm_bias = make_param(ParamMeta("dense", (padded_vocab_size(m.vocab_size, state.tp_size),), [(0, "tp")],
-                                             init="zeros"), state)
+                                             init="zeros", role="bias"), state)
         self.pooler = self.binary_head = None
         if m.binary_head != "none":
             self.pooler = Dense(m.hidden_size, m.hidden_size, state, m.init_std)

@@ -22,11 +22,12 @@ class Embedding(torch.nn.Module):
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, state, std=cfg.init_std)
         self.position = None
         if cfg.position_embedding == "learned":
-            self.position = make_param(ParamMeta("dense", (cfg.seq_length, cfg.hidden_size), std=cfg.init_std), state)
+            self.position = make_param(ParamMeta("dense", (cfg.seq_length, cfg.hidden_size), std=cfg.init_std,
+                                                       role="embedding"), state)
         self.token_type = None
         if num_token_types:
-            self.token_type = make_param(ParamMeta("dense", (num_token_types, cfg.hidden_size), std=cfg.init_std),
-                                         state)
+            self.token_type = make_param(ParamMeta("dense", (num_token_types, cfg.hidden_size), std=cfg.init_std,
+                                                   role="embedding"), state)
         self.dropout = Dropout(cfg.dropout, rng, "replicated")
 
     def forward(self, tokens: torch.Tensor, token_types: Optional[torch.Tensor] = None) -> torch.Tensor:

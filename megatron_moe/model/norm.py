@@ -17,8 +17,8 @@ class LayerNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, state: ParallelState, *, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones"), state)
-        self.bias = make_param(ParamMeta("dense", (hidden_size,), init="zeros"), state) if bias else None
+        self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones", role="norm"), state)
+        self.bias = make_param(ParamMeta("dense", (hidden_size,), init="zeros", role="norm"), state) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
@@ -32,7 +32,7 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, state: ParallelState, *, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
-        self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones"), state)
+        self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones", role="norm"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

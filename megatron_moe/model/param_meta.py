@@ -7,7 +7,13 @@ Each `nn.Parameter` of a model carries `param.meta: ParamMeta`. One description 
 * gradient sync: `kind == "dense"` is averaged over `dp`, `kind == "expert"` over `edp`;
 * global grad-norm: a parameter's squared norm is summed over the groups it is sharded over and
   counted once where it is replicated (norms and router weights are not counted tp times);
-* checkpoints: global shape + this rank's offsets (torch.distributed.checkpoint).
+* checkpoints: global shape + this rank's offsets (torch.distributed.checkpoint);
+* weight decay (`training/optimizer.py`): `role` says what the parameter is.
+
+Roles (`ROLES`): "weight" = a matrix applied to activations (linear weights, the router weight, the
+experts' stacked w1/w2); "embedding" = a lookup table (word, position and token-type embeddings);
+"bias" = an additive bias, also the experts' stacked b1 [E, W] / b2 [E, h], whatever its rank;
+"norm" = a LayerNorm/RMSNorm scale or shift. The optimizer decays "weight" and "embedding".
 
 Sharding is a list of (dim, group name): e.g. a column-parallel weight [out, in] is
 ``[(0, "tp")]``; the experts' first weight [E, hidden, ffn] is ``[(0, "ep"), (2, "esp")]``.
@@ -23,6 +29,9 @@ import torch
 from megatron_moe.distributed.parallel_state import ParallelState
 
 
+ROLES = ("weight", "embedding", "bias", "norm")
+
+
 @dataclass
 class ParamMeta:
     kind: str  # "dense" | "expert"
@@ -32,6 +41,11 @@ class ParamMeta:
     std: float = 0.02
     # rows beyond this index along dim 0 are padding (zeros; e.g. padded vocabulary), or None
     valid_rows: Optional[int] = None
+    role: str = "weight"  # one of ROLES: what the parameter is (decides weight decay)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"ParamMeta.role={self.role!r} must be one of {', '.join(ROLES)}")
 
     def sharded_groups(self) -> List[str]:
         return [g for _, g in self.shards]

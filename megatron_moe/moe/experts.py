@@ -70,14 +70,14 @@ class Experts(torch.nn.Module):
         self.first_expert = state.ep.rank * self.num_local
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
 
-        def param(shape, dim, init="normal", std=0.0):
+        def param(shape, dim, init="normal", std=0.0, role="weight"):
             return make_param(ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")],
-                                        init=init, std=std), state)
+                                        init=init, std=std, role=role), state)
 
         self.w1 = param((m.hidden_size, width), 2, std=m.init_std)
         self.w2 = param((ffn, m.hidden_size), 1, std=residual_output_std(m))
-        self.b1 = param((width,), 1, init="zeros") if m.bias else None
-        self.b2 = param((m.hidden_size,), 1, init="zeros") if m.bias else None
+        self.b1 = param((width,), 1, init="zeros", role="bias") if m.bias else None
+        self.b2 = param((m.hidden_size,), 1, init="zeros", role="bias") if m.bias else None
 
     def forward(self, batch: ExpertBatch, grad_scale: float = 1.0) -> torch.Tensor:
         """[m, h] rows -> [m, h] partial sums of this ESP shard (b2 slice included).

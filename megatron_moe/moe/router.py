@@ -103,7 +103,7 @@ class Router(torch.nn.Module):
         self.capacity_factor = moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.weight = make_param(ParamMeta("dense", (moe.num_experts, cfg.model.hidden_size),
-                                           std=cfg.model.init_std), state)  # W_r [E, h], replicated
+                                           std=cfg.model.init_std, role="weight"), state)  # W_r [E, h], replicated
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = router_logits(x, self.weight)  # [n, E] fp32

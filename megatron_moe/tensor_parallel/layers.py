@@ -34,8 +34,10 @@ class ColumnParallelLinear(torch.nn.Module):
         super().__init__()
         self.group, self.gather_output = state.tp, gather_output
         self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(0, "tp")], std=std,
-                                           valid_rows=valid_rows), state)
-        self.bias = make_param(ParamMeta("dense", (out_features,), [(0, "tp")], init="zeros"), state) if bias else None
+                                           valid_rows=valid_rows, role="weight"), state)
+        self.bias = None
+        if bias:
+            self.bias = make_param(ParamMeta("dense", (out_features,), [(0, "tp")], init="zeros", role="bias"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # [..., out/tp]
@@ -54,8 +56,9 @@ class RowParallelLinear(torch.nn.Module):
                  std: float = 0.02, input_is_parallel: bool = True):
         super().__init__()
         self.group, self.input_is_parallel = state.tp, input_is_parallel
-        self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(1, "tp")], std=std), state)
-        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros"), state) if bias else None
+        self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(1, "tp")], std=std, role="weight"),
+                                 state)
+        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros", role="bias"), state) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -78,7 +81,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings = num_embeddings
         padded = padded_vocab_size(num_embeddings, state.tp_size)
         self.weight = make_param(ParamMeta("dense", (padded, embedding_dim), [(0, "tp")], std=std,
-                                           valid_rows=num_embeddings), state)
+                                           valid_rows=num_embeddings, role="embedding"), state)
         self.vocab_start = self.weight.meta.offsets(state)[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
 

@@ -39,9 +39,9 @@ from megatron_moe.config import Config
 from megatron_moe.config.load import load_config, to_yaml
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.training.checkpoint_io import (CheckpointError, ShardedEntry, full_entry, load_entries, read_json,
-                                                 read_metadata, save_entries, verify_manifest, write_json,
-                                                 write_manifest)
+from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
+                                                 load_entries, read_json, read_metadata, save_entries, verify_manifest,
+                                                 write_json, write_manifest)
 
 LATEST = "latest"
 META = "meta.json"
@@ -202,9 +202,24 @@ def newest_complete(root: str) -> Optional[str]:
     return None
 
 
+def is_checkpoint_root(path: str) -> bool:
+    """True if `path` holds `iter_<k>` checkpoints, False if it is one checkpoint directory (it has
+    meta.json, manifest.json or DCP files); CheckpointError if it is neither or does not exist.
+    Looks at names only (cheap, for the start-up config check); verifies nothing."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} does not exist" if not os.path.exists(path) else f"{path} is not a directory")
+    if os.path.isfile(os.path.join(path, META)):
+        return False
+    if checkpoint_dirs(path):
+        return True
+    if any(os.path.exists(os.path.join(path, name)) for name in (MANIFEST, DCP_METADATA)):
+        return False
+    raise CheckpointError(f"{path} is not a checkpoint (no {META} or {MANIFEST}) and holds no iter_<k> checkpoints")
+
+
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory, or a checkpoint root (-> its newest complete checkpoint), verified."""
-    if os.path.isfile(os.path.join(path, META)) or not checkpoint_dirs(path):
+    if not is_checkpoint_root(path):
         verify_manifest(path)
         return path
     found = newest_complete(path)

@@ -4,8 +4,14 @@
     (before any process group) -> launch.initialize -> ParallelState
     -> Trainer(cfg, state, model_cls, datasets).train()
 
+    --check-config [--world-size N] --config FILE ...  ->  the same checks for N processes, then exit
+    (0 = ok; no process group, no model). The launchers in scripts/ run it once before starting the
+    ranks, so a bad config is reported once and no launcher adds its own failure report.
+
 A bad config prints one line `config error: ...` to stderr (rank 0) and exits with code 2, no
-traceback. A non-finite loss or gradient with `training.on_nonfinite: stop` prints one line
+traceback; so does a checkpoint that `checkpoint.load` names but that cannot be resumed (missing,
+not a checkpoint, corrupt, another model or global batch size): `config error: checkpoint.load=PATH:
+<reason>`. A non-finite loss or gradient with `training.on_nonfinite: stop` prints one line
 `stopped: ...` (rank 0) and exits with code 3 on every rank (`training/failures.py`).
 """
 from __future__ import annotations
@@ -14,9 +20,10 @@ import sys
 from typing import Callable, List, Optional
 
 from megatron_moe.config import Config, ConfigError, load_config, parse_cli, validate_config
-from megatron_moe.config.validate import validate_data_config
+from megatron_moe.config.validate import checkpoint_load_error, validate_data_config
 from megatron_moe.distributed import collectives, launch
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.training.checkpoint_io import CheckpointError
 from megatron_moe.training.failures import NONFINITE_EXIT, NonFiniteError
 from megatron_moe.training.trainer import Trainer
 
@@ -26,13 +33,20 @@ CONFIG_ERROR_EXIT = 2
 def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "",
          datasets: Optional[Callable] = None) -> int:
     """`datasets(cfg) -> (train, valid)` builds the model's samples (None: GPT's)."""
-    path, overrides = parse_cli(argv, description)
+    args = parse_cli(argv, description)
     info = launch.detect_launch()
     try:
-        cfg = load_config(path, overrides)
-        validate_config(cfg, info.world_size)
+        cfg = load_config(args.config, args.overrides)
+        world_size = args.world_size or info.world_size
+        validate_config(cfg, world_size)
         validate_data_config(cfg)
-        train(cfg, model_cls, datasets)
+        if args.check_config:
+            print(f"config ok: {args.config} on {world_size} process{'es' if world_size > 1 else ''}")
+            return 0
+        try:
+            train(cfg, model_cls, datasets)
+        except CheckpointError as exc:  # resuming from what checkpoint.load names failed
+            raise checkpoint_load_error(cfg.checkpoint.load, exc) from None
     except ConfigError as exc:
         if info.rank == 0:
             print(f"config error: {exc}", file=sys.stderr)

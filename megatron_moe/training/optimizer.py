@@ -1,8 +1,11 @@
 """AdamW (Loshchilov & Hutter) over this rank's parameter shards.
 
 AdamW is element-wise, so sharding a parameter does not change its update: the same global
-gradients give the same global weights on any layout. Weight decay applies to matrices (and
-expert weight stacks, ndim >= 2), not to norm scales and biases. The fused CUDA kernel is used
+gradients give the same global weights on any layout. Weight decay goes by what a parameter is
+(`ParamMeta.role`), not by its rank: matrices ("weight": linear weights, the router weight, the
+experts' w1/w2 stacks) and embedding tables ("embedding": word, position, token-type; as in
+Megatron-LM, which exempts only biases and norm parameters) decay; biases ("bias", the experts'
+2-D b1/b2 stacks included) and norm scales/shifts ("norm") do not. The fused CUDA kernel is used
 when every parameter lives on a GPU; otherwise torch's foreach implementation.
 """
 from __future__ import annotations
@@ -13,12 +16,15 @@ import torch
 
 from megatron_moe.config.schema import OptimizerConfig
 
+DECAYED_ROLES = frozenset({"weight", "embedding"})
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """[decayed group, not-decayed group] of the trainable parameters, by `param.meta.role`."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.meta.role in DECAYED_ROLES else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

@@ -3,7 +3,8 @@
 #   srun_pretrain.sh ENTRY --config FILE [section.key=value ...]
 # starts ENTRY once per task of the allocation with srun: rank = SLURM_PROCID, one rank per CPU
 # task or per GPU. MASTER_ADDR/MASTER_PORT (first node, port from the job id) are exported unless
-# already set. A rank that exits non-zero ends the whole step (--kill-on-bad-exit).
+# already set. A rank that exits non-zero ends the whole step (--kill-on-bad-exit). The config is
+# checked once for the job's task count first: a bad one is one line in the log, exit 2, no srun.
 set -euo pipefail
 : "${SLURM_JOB_ID:?run inside a SLURM job: sbatch [options] scripts/slurm/pretrain_gpt_moe.sbatch ...}"
 ENTRY=$1
@@ -29,6 +30,9 @@ echo "[$(date '+%F %T')] job $SLURM_JOB_ID ($SLURM_JOB_NAME): $ntasks tasks on $
   "master $MASTER_ADDR:$MASTER_PORT, OMP_NUM_THREADS=$OMP_NUM_THREADS"
 echo "command: $PYTHON $ROOT/$ENTRY $*"
 status=0
-srun --kill-on-bad-exit=1 --label "$PYTHON" -u "$ROOT/$ENTRY" "$@" || status=$?
+"$PYTHON" "$ROOT/$ENTRY" --check-config --world-size "$ntasks" "$@" || status=$?  # once, before any rank
+if [ "$status" -eq 0 ]; then
+  srun --kill-on-bad-exit=1 --label "$PYTHON" -u "$ROOT/$ENTRY" "$@" || status=$?
+fi
 echo "[$(date '+%F %T')] job $SLURM_JOB_ID finished with exit code $status"
 exit "$status"

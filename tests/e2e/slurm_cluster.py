@@ -7,7 +7,9 @@ The node advertises `cpus` CPUs whatever the machine has (`SlurmdParameters=conf
 `sbatch -N1 -n4` runs 4 tasks on a 2-core machine. Nothing outside the temp dir is touched: munged
 gets its own key and socket (`AuthInfo=socket=...`); the daemons listen on free ports of 127.0.0.1
 and keep their state, spool, pid and log files there. Needs Debian's `slurm-wlm` and `munge` and root;
-`unavailable_reason()` says why a machine cannot run it (the tests skip with that reason).
+`unavailable_reason()` says why a machine cannot run it, and `require_slurm()` is how a test asks:
+it skips with that reason, or fails under `CI=true` (.ci/run installs SLURM, so CI must not go green
+without the SLURM tests).
 """
 from __future__ import annotations
 
@@ -20,22 +22,40 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "sinfo", "squeue", "scancel", "scontrol")
 SEARCH_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # the daemons live in /usr/sbin
 
 
-def unavailable_reason() -> Optional[str]:
-    """None if this machine can start the cluster, else a one-line reason."""
-    missing = [b for b in DAEMONS + CLIENTS if shutil.which(b, path=SEARCH_PATH) is None]
+def unavailable_reason(tools: Sequence[str] = DAEMONS + CLIENTS, need_root: bool = True) -> Optional[str]:
+    """None if this machine has `tools` (and root, if `need_root`; default: what the cluster needs),
+    else a one-line reason."""
+    missing = [b for b in tools if shutil.which(b, path=SEARCH_PATH) is None]
     if missing:
         return (f"SLURM not installed (missing {', '.join(missing)}): as root run "
                 f"'apt-get install -y slurm-wlm munge' (.ci/run does)")
-    if os.geteuid() != 0:
+    if need_root and os.geteuid() != 0:
         return "starting munged/slurmctld/slurmd for the test cluster needs root"
     return None
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_slurm(tools: Sequence[str] = DAEMONS + CLIENTS, need_root: bool = True) -> None:
+    """In a test: return if SLURM is usable (`unavailable_reason`), else skip the test saying why,
+    or fail it under CI=true."""
+    import pytest
+
+    reason = unavailable_reason(tools, need_root)
+    if reason is None:
+        return
+    if in_ci():
+        pytest.fail(f"{reason} [CI=true: the SLURM tests must run]", pytrace=False)
+    pytest.skip(reason)
 
 
 def _die_with_parent() -> None:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,3 +171,47 @@ def test_nan_stop_exits_3_with_message(tmp_path):
         "(training.on_nonfinite=stop)")
     assert [r["iteration"] for r in records(tmp_path)] == [1]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A real checkpoint of 2 tiny iterations: <tmp>/ckpt/iter_0000002."""
+    tmp = tmp_path_factory.mktemp("saved")
+    proc = subprocess.run(command(1, ["training.train_iters=2", f"training.run_dir={tmp / 'run'}",
+                                      f"checkpoint.dir={tmp / 'ckpt'}", "checkpoint.save_interval=2"]),
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp / "ckpt" / "iter_0000002"
+
+
+def _bad_checkpoint(case, saved, tmp_path):
+    """(checkpoint.load path, extra overrides, what the message must say) for one kind of bad load."""
+    if case == "missing":
+        return tmp_path / "does" / "not" / "exist", [], "does not exist"
+    if case == "empty":
+        (tmp_path / "empty").mkdir()
+        return tmp_path / "empty", [], "is not a checkpoint"
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    if case == "batch_size":  # a complete checkpoint, resumed with another global batch size
+        return copy, ["training.global_batch_size=8"], "same global batch size"
+    data = sorted(copy.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
+    return copy, [], f"file {data.name} has"
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "truncated", "batch_size"])
+def test_bad_checkpoint_load_is_one_config_error(saved_checkpoint, tmp_path, case):
+    """Early (validate: missing, empty) or while resuming (truncated file, other global batch size):
+    exit 2 and one stderr line naming checkpoint.load and the path, no traceback."""
+    path, extra, reason = _bad_checkpoint(case, saved_checkpoint, tmp_path)
+    proc = subprocess.run(command(1, ["training.train_iters=4", f"training.run_dir={tmp_path / 'run'}",
+                                      f"checkpoint.load={path}"] + extra),
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"config error: checkpoint.load={path}: ") and reason in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,22 @@ def test_run_local_trains_on_2_ranks(tmp_path):
 def test_run_local_usage_errors(args):
     proc = subprocess.run([str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "usage:" in proc.stderr and "NPROC CONFIG" in proc.stderr
+
+
+@pytest.mark.parametrize("nproc,override,needle", [
+    ("2", "parallel.expert=3", "parallel.expert=3 does not divide moe.num_experts=8"),
+    ("3", "parallel.expert=2", "does not divide the 3 ranks"),  # checked with the launch's world size
+], ids=["expert3", "world3"])
+def test_run_local_config_error_once_before_any_worker(nproc, override, needle):
+    """The script validates the config once (`--check-config --world-size NPROC`) and never starts
+    torchrun: one line, exit 2, no torchrun failure report."""
+    start = time.monotonic()
+    proc = subprocess.run([str(SCRIPT), nproc, "configs/gpt_moe_tiny.yaml", override], cwd=ROOT,
+                          env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if "config error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("config error:") and needle in errors[0], out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    assert elapsed < 30, f"{elapsed:.1f} s: workers were started?"

@@ -2,10 +2,13 @@
 
 `sbatch --wait -N1 -n4 scripts/slurm/pretrain_gpt_moe.sbatch --config ... overrides` trains 4 gloo
 ranks started by srun; the job's log and the run's metrics.jsonl are checked. Skips (saying why)
-only where slurm-wlm/munge are not installed or we are not root; .ci/run installs them.
+only where slurm-wlm/munge are not installed or we are not root, and fails there under CI=true;
+.ci/run installs them.
+The config check before srun runs everywhere: the job body with a stand-in `srun` on PATH.
 """
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.slurm_cluster import slurm_cluster, unavailable_reason
+from tests.e2e.slurm_cluster import require_slurm, slurm_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -25,9 +28,7 @@ TINY = ["training.train_iters=3", "training.log_interval=1", "training.eval_inte
 
 @pytest.fixture(scope="module")
 def slurm_env(tmp_path_factory):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_slurm()
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
         yield dict(env, PYTHON=sys.executable)
 
@@ -67,3 +68,30 @@ def test_sbatch_rejects_bad_arguments_before_starting_ranks(slurm_env, tmp_path)
     code, log = sbatch(slurm_env, tmp_path, ["-n1", "scripts/slurm/pretrain_bert_moe.sbatch",
                                              "--config", "configs/missing.yaml"])
     assert code == 2 and "config file not found: configs/missing.yaml" in log, log
+
+
+@pytest.mark.parametrize("ntasks,entry,code", [("3", "pretrain_gpt_moe.py", 2), ("2", "pretrain_bert_moe.py", 0)])
+def test_job_checks_config_once_with_slurm_ntasks_before_srun(tmp_path, ntasks, entry, code):
+    """srun_pretrain.sh (the sbatch scripts' body) without SLURM: `parallel.expert=2` on SLURM_NTASKS=3
+    is one config error, exit 2, and srun never runs; on 2 tasks srun starts ENTRY with the arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/sh\necho "$@" > "$SRUN_ARGS"\n')
+    (fake / "srun").chmod(0o755)
+    env = dict(os.environ, PYTHON=sys.executable, PATH=f"{fake}:{os.environ['PATH']}", SRUN_ARGS=str(tmp_path / "args"),
+               SLURM_JOB_ID="77", SLURM_JOB_NAME="job", SLURM_NTASKS=ntasks, SLURM_JOB_NODELIST="localhost")
+    config = "configs/gpt_moe_tiny.yaml" if entry == "pretrain_gpt_moe.py" else "configs/bert_moe_tiny.yaml"
+    proc = subprocess.run(["bash", "scripts/slurm/srun_pretrain.sh", entry, "--config", config, "parallel.expert=2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == code, out
+    assert "Traceback" not in out
+    if code:
+        errors = [line for line in out.splitlines() if "config error:" in line]
+        assert errors == ["config error: parallel.expert*parallel.expert_shard=2*1 does not divide the 3 ranks of "
+                          "a pipeline stage (world size 3 / parallel.pipeline)"], out
+        assert not (tmp_path / "args").exists(), "srun was started"
+    else:
+        assert (tmp_path / "args").read_text().split() == [
+            "--kill-on-bad-exit=1", "--label", sys.executable, "-u", f"{ROOT}/{entry}", "--config", config,
+            "parallel.expert=2"]

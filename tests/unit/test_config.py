@@ -53,3 +53,24 @@ def test_valid_layouts_pass():
     for world, ov in [(1, []), (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
                       (8, ["parallel.expert=4", "parallel.expert_shard=2"])]:
         validate_config(load_config("configs/gpt_moe_tiny.yaml", ov), world)
+
+
+def test_checkpoint_load_path_is_checked_before_any_process_group(tmp_path):
+    """`checkpoint.load=PATH`: a missing path or a directory that is neither a checkpoint nor a root
+    of iter_<k> checkpoints fails validation naming the key and the path; names only are looked at."""
+    def check(path):
+        validate_config(load_config(None, [f"checkpoint.load={path}"]), 1)
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for path, reason in [(tmp_path / "missing", "does not exist"), (tmp_path / "file", "is not a directory"),
+                         (tmp_path / "empty", "is not a checkpoint (no meta.json or manifest.json) and holds no "
+                                              "iter_<k> checkpoints")]:
+        with pytest.raises(ConfigError) as e:
+            check(path)
+        assert str(e.value) == f"checkpoint.load={path}: {path} {reason}"
+    (tmp_path / "root" / "iter_0000002").mkdir(parents=True)  # a root: verified later, when loading
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "meta.json").write_text("{}")  # one checkpoint directory (maybe incomplete)
+    check(tmp_path / "root")
+    check(tmp_path / "one")

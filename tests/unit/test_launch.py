@@ -1,12 +1,12 @@
 """launch.py: torchrun / SLURM environment parsing, SLURM host lists, backend and device choice."""
 import os
-import shutil
 import subprocess
 
 import pytest
 
 from megatron_moe.distributed.launch import (LaunchInfo, detect_launch, expand_nodelist, local_device_index,
                                              pick_backend, slurm_master, world_size_from_env)
+from tests.e2e.slurm_cluster import require_slurm
 
 # What `srun` sets for task 5 of a 2-node x 4-task step (copied from a real step's environment).
 SRUN_ENV = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
@@ -29,9 +29,9 @@ def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol (slurm-wlm) not installed")
 def test_expand_nodelist_matches_scontrol(tmp_path):
     """Same expansion as Slurm's own `scontrol show hostnames` (needs only a minimal slurm.conf)."""
+    require_slurm(("scontrol",), need_root=False)
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=x\nSlurmctldHost=localhost\n")
     env = dict(os.environ, SLURM_CONF=str(conf))
