@@ -13,8 +13,8 @@ Math (one data-parallel micro-batch of n tokens, E experts, top-k):
   Capacity C = ceil(f n k / E): walking tokens in order, expert e accepts a choice while it has
   accepted fewer than C (a choice's rank among the token's k does not matter).
   y_t = sum over accepted choices of weight * expert_e(x_t);
-  expert_e(v) = act(v w1[e] + b1[e]) w2[e] + b2[e], act = exact GeLU or SwiGLU with w1's columns
-  interleaved (2u = gate of unit u, 2u + 1 = up).
+  expert_e(v) = act(v w1[e] + b1[e]) w2[e] + b2[e], act = exact GeLU; for SwiGLU w1[e] [h, 2, f]
+  and b1[e] [2, f] hold the gate ([:, 0]) and up ([:, 1]) projections: silu(gate) * up.
   aux = aux_coeff * E * sum_e (#choices of e / (n k)) * mean_t p_t,e + z_coeff * mean_t logsumexp(W_r x_t)^2.
 """
 from __future__ import annotations
@@ -42,14 +42,13 @@ def _gelu(v: torch.Tensor) -> torch.Tensor:
 
 
 def _expert(v: torch.Tensor, e: int, weights: Dict[str, torch.Tensor], activation: str) -> torch.Tensor:
-    hidden = v @ weights["experts.w1"][e]
-    if "experts.b1" in weights:
-        hidden = hidden + weights["experts.b1"][e]
+    bias = weights["experts.b1"][e] if "experts.b1" in weights else torch.zeros_like(weights["experts.w1"][e][0])
     if activation == "swiglu":
-        gate, up = hidden[0::2], hidden[1::2]
+        gate = v @ weights["experts.w1"][e][:, 0] + bias[0]
+        up = v @ weights["experts.w1"][e][:, 1] + bias[1]
         hidden = gate * torch.sigmoid(gate) * up
     else:
-        hidden = _gelu(hidden)
+        hidden = _gelu(v @ weights["experts.w1"][e] + bias)
     out = hidden @ weights["experts.w2"][e]
     if "experts.b2" in weights:
         out = out + weights["experts.b2"][e]
@@ -89,15 +88,15 @@ def random_full_weights(cfg: Config, seed: int, router_std: float = 1.0, bias_st
     """Full (unsharded) MoE layer weights with O(1) activations, keyed like MoELayer.named_parameters()."""
     m, num_experts = cfg.model, cfg.moe.num_experts
     ffn = cfg.moe.expert_ffn_hidden_size or m.ffn_hidden_size
-    width = 2 * ffn if m.activation == "swiglu" else ffn
+    units = (2, ffn) if m.activation == "swiglu" else (ffn,)
     gen = torch.Generator().manual_seed(seed)
     full = {
         "router.weight": torch.randn(num_experts, m.hidden_size, generator=gen) * router_std,
-        "experts.w1": torch.randn(num_experts, m.hidden_size, width, generator=gen) / math.sqrt(m.hidden_size),
+        "experts.w1": torch.randn(num_experts, m.hidden_size, *units, generator=gen) / math.sqrt(m.hidden_size),
         "experts.w2": torch.randn(num_experts, ffn, m.hidden_size, generator=gen) / math.sqrt(ffn),
     }
     if m.bias:
-        full["experts.b1"] = torch.randn(num_experts, width, generator=gen) * bias_std
+        full["experts.b1"] = torch.randn(num_experts, *units, generator=gen) * bias_std
         full["experts.b2"] = torch.randn(num_experts, m.hidden_size, generator=gen) * bias_std
     return full
 

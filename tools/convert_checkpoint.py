@@ -6,6 +6,7 @@
     export-hf  --input CKPT --output HF_DIR
     import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [section.key=value ...]
     upcycle    --input DENSE_CKPT --num-experts N --output CKPT
+    upgrade-swiglu --input OLD_CKPT --output CKPT   (SwiGLU checkpoints from before the halves layout)
 
 CKPT may be a checkpoint root (its newest complete checkpoint is used) or one iter_* directory.
 """
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--num-experts", type=int, required=True)
+    p = sub.add_parser("upgrade-swiglu", help="interleaved (gate, up) SwiGLU weights -> the halves layout")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "reshard" and args.consolidated:
@@ -51,6 +55,8 @@ def main(argv=None) -> int:
             out = args.output
         elif args.command == "import-hf":
             out = offline.import_hf(args.input, args.output, args.config, args.overrides)
+        elif args.command == "upgrade-swiglu":
+            out = offline.upgrade_swiglu(args.input, args.output)
         else:
             out = offline.upcycle(args.input, args.num_experts, args.output)
     except (CheckpointError, ConfigError, ValueError) as exc:

@@ -1,24 +1,25 @@
-"""Fit the alpha-beta costs of Parm's collectives on the current machines and write a hardware profile.
+"""Fit the alpha-beta costs of the collectives and expert compute the cost models use, on the
+current machines, and write a hardware profile (Parm §V-A / §VI-B; FasterMoE §3).
 
     torchrun --nproc_per_node 8 tools/profile_comm.py --tensor 2 --expert 2 --expert-shard 2 \\
-        --out configs/hardware/my_cluster.yaml
+        --hidden 1024 --ffn 4096 --out configs/hardware/my_cluster.yaml
 
-Times MP-AllGather (on `tp`), EP&ESP-AlltoAll (on `ep_esp`) and SAA (S2's phased exchange with
-the overlapped all-gather) over a range of message sizes x (elements, fp32), as Parm §V-A / §VI-B
-do (`megatron_moe/perf/calibrate.py`). Each point is the median over --reps of the slowest rank's
-time; alpha and beta come from a least-squares fit whose R^2 is written into the profile with the
-measured points. `moe.schedule: auto` reads the profile through `perf.hardware_profile`.
+Times MP-AllGather (`tp`), EP&ESP-AlltoAll and SAA (`ep_esp`), point-to-point and broadcast
+(`ep`) over a range of message sizes x (elements, fp32), and the expert FFN forward of the given
+shape (x = FLOPs) at several row counts (`megatron_moe/perf/calibrate.py`). Each point is the
+median over --reps of the slowest rank's time; alpha and beta come from a least-squares fit whose
+R^2 is written into the profile with the measured points. `moe.schedule: auto` and
+`moe.balancer: fastermoe` read it through `perf.hardware_profile` (without one they calibrate a
+smaller profile at start-up).
 """
 import argparse
-import platform
 import sys
 
 import torch
 
 from megatron_moe.distributed import collectives as C
-from megatron_moe.distributed.launch import pick_backend
-from megatron_moe.perf.calibrate import fit_profile, geometric_sizes, measure_points
-from megatron_moe.perf.hardware import save_profile
+from megatron_moe.perf.calibrate import ExpertShape, fit_description, fit_profile, geometric_sizes, measure_points
+from megatron_moe.perf.hardware import OPS, save_profile
 from megatron_moe.perf.timing import init_state
 
 
@@ -30,10 +31,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-elements", type=int, default=1 << 14)
     p.add_argument("--max-elements", type=int, default=1 << 20)
     p.add_argument("--points", type=int, default=6, help="message sizes, geometric between min and max")
+    p.add_argument("--hidden", type=int, default=1024, help="expert_compute: the experts' hidden size")
+    p.add_argument("--ffn", type=int, default=4096, help="expert_compute: FFN units of one expert (all shards)")
+    p.add_argument("--swiglu", action="store_true", help="expert_compute: SwiGLU experts (gate + up)")
+    p.add_argument("--rows", default="64,256,1024,4096", help="expert_compute: rows timed (comma-separated)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--name", default=None, help="profile name (default: from the output file)")
     p.add_argument("--out", required=True, help="profile YAML to write")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.ops, args.rows = args.ops.split(","), [int(r) for r in args.rows.split(",")]
+    if set(args.ops) - set(OPS):
+        p.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -41,18 +51,17 @@ def main(argv=None) -> int:
     state = init_state(args.tensor, args.expert, args.expert_shard)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
     say = (lambda msg: print(msg, flush=True)) if state.rank == 0 else (lambda msg: None)
+    shape = ExpertShape(args.hidden, args.ffn // args.expert_shard, args.swiglu)
     points = measure_points(state, geometric_sizes(args.min_elements, args.max_elements, args.points), args.reps,
-                            device, progress=say)
+                            device, shape, args.rows, args.ops, progress=say)
     if state.rank == 0:
         name = args.name or args.out.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-        fit = {"tool": "tools/profile_comm.py", "world_size": state.world_size,
-               "layout": {"tensor": args.tensor, "expert": args.expert, "expert_shard": args.expert_shard},
-               "backend": pick_backend("auto") if state.world_size > 1 else "none",
-               "host": platform.node(), "reps": args.reps}
-        profile = fit_profile(name, points, fit, f"fitted by tools/profile_comm.py on {state.world_size} ranks")
-        for op in ("mp_allgather", "ep_esp_alltoall", "saa"):
+        profile = fit_profile(name, points, fit_description(state, "tools/profile_comm.py", args.reps, shape),
+                              f"fitted by tools/profile_comm.py on {state.world_size} ranks")
+        for op in args.ops:
             f = getattr(profile, op)
-            say(f"{op:16s} alpha {f.alpha:.3e} s  beta {f.beta:.3e} s/element  R^2 {f.r2:.4f}")
+            unit = "FLOP" if op == "expert_compute" else "element"
+            say(f"{op:16s} alpha {f.alpha:.3e} s  beta {f.beta:.3e} s/{unit}  R^2 {f.r2 if f.r2 is not None else '-'}")
         save_profile(profile, args.out)
         say(f"wrote {args.out}")
     C.destroy_process_group()

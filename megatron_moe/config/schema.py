@@ -32,6 +32,12 @@ class ModelConfig:
 
 
 @dataclass
+class FasterMoEConfig:
+    min_shadow: int = 0  # shadow at least the k most popular experts every forward, whatever Eq. 7-8 say
+    token_term: bool = True  # Eq. 8 keeps Eq. 7's token traffic (FastMoE's release); false = the paper as printed
+
+
+@dataclass
 class MoEConfig:
     num_experts: int = 4
     top_k: int = 2  # 1 = Switch, 2 = GShard
@@ -43,6 +49,7 @@ class MoEConfig:
     schedule: str = "baseline"  # registry: moe/schedules
     balancer: str = "none"  # registry: moe/balancers
     saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)
+    fastermoe: FasterMoEConfig = field(default_factory=FasterMoEConfig)  # moe.balancer=fastermoe (docs/balancers.md)
 
 
 @dataclass
@@ -119,7 +126,8 @@ class LoggingConfig:
 
 @dataclass
 class PerfConfig:
-    # hardware profile YAML (alpha-beta costs, configs/hardware/) for `moe.schedule: auto`
+    # hardware profile YAML (alpha-beta costs, configs/hardware/) for `moe.schedule: auto` and
+    # `moe.balancer: fastermoe`; null = calibrate on the ranks at start-up (cached per machine and layout)
     hardware_profile: Optional[str] = None
 
 

@@ -186,19 +186,35 @@ def tokenizer_spec(cfg: Config):
 
 
 def _check_parm(cfg: Config) -> None:
-    """Parm options (moe/schedules/parm.py): SAA belongs to S2; auto needs a hardware profile."""
+    """Parm and balancer options (moe/schedules/parm.py, moe/balancers/): SAA belongs to S2; auto's
+    pick must agree over TP and ep_esp groups; a given hardware profile must have what the
+    configured techniques' models need (without one, they are calibrated at start-up)."""
     from megatron_moe.perf.hardware import load_profile
 
     moe, profile = cfg.moe, cfg.perf.hardware_profile
     if moe.saa and moe.schedule not in ("s2", "auto"):
         raise ConfigError(f"moe.saa=true needs moe.schedule s2 or auto, not {moe.schedule!r}")
-    if moe.schedule == "auto" and not profile:
-        raise ConfigError("moe.schedule=auto needs perf.hardware_profile (a YAML file, see configs/hardware/)")
     par = cfg.parallel
     ep_esp = par.expert * par.expert_shard
     if moe.schedule == "auto" and par.tensor % ep_esp and ep_esp % par.tensor:
         # ranks sharing a TP group or an ep_esp group must pick alike (moe/schedules/parm.py)
         raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
                           f"parallel.expert_shard={ep_esp} to divide one another")
+    if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
+        raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
     if profile:
-        load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed
+        loaded = load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed
+        for ops, who in profile_needs(cfg):
+            loaded.require(ops, who)
+
+
+def profile_needs(cfg: Config):
+    """[(hardware profile ops, the config key=value that needs them)] for `cfg`'s techniques."""
+    from megatron_moe.perf.hardware import BALANCER_OPS, PARM_OPS
+
+    needs = []
+    if cfg.moe.schedule == "auto":
+        needs.append((PARM_OPS, "moe.schedule=auto"))
+    if cfg.moe.balancer == "fastermoe":
+        needs.append((BALANCER_OPS, "moe.balancer=fastermoe"))
+    return needs

@@ -12,9 +12,8 @@ Tensors are mapped on full (global) weights, in the original Mixtral naming
     layers.i.attention.proj.weight              -> o_proj.weight
     layers.i.ffn_norm.weight                    -> post_attention_layernorm.weight
     layers.i.ffn.router.weight [E, h]           -> block_sparse_moe.gate.weight
-    layers.i.ffn.experts.w1 [E, h, 2f]          -> experts.j.w1 (gate) = w1[j][:, 0::2]^T,
-                                                   experts.j.w3 (up)   = w1[j][:, 1::2]^T
-                                                   (columns interleave gate/up per unit, mlp.py)
+    layers.i.ffn.experts.w1 [E, h, 2, f]        -> experts.j.w1 (gate) = w1[j][:, 0]^T,
+                                                   experts.j.w3 (up)   = w1[j][:, 1]^T  (mlp.py's halves)
     layers.i.ffn.experts.w2 [E, f, h]           -> experts.j.w2.weight = w2[j]^T
     final_norm.weight, output.weight            -> model.norm.weight, lm_head.weight
 
@@ -114,11 +113,11 @@ def to_hf(cfg: Config, ours: Tensors) -> Tensors:
             dst + "post_attention_layernorm.weight": ours[src + "ffn_norm.weight"],
             dst + "block_sparse_moe.gate.weight": ours[src + "ffn.router.weight"],
         })
-        w1, w2 = ours[src + "ffn.experts.w1"], ours[src + "ffn.experts.w2"]  # [E, h, 2f], [E, f, h]
+        w1, w2 = ours[src + "ffn.experts.w1"], ours[src + "ffn.experts.w2"]  # [E, h, 2, f], [E, f, h]
         for j in range(w1.shape[0]):
             e = dst + f"block_sparse_moe.experts.{j}."
-            out[e + "w1.weight"] = w1[j][:, 0::2].t()
-            out[e + "w3.weight"] = w1[j][:, 1::2].t()
+            out[e + "w1.weight"] = w1[j][:, 0].t()
+            out[e + "w3.weight"] = w1[j][:, 1].t()
             out[e + "w2.weight"] = w2[j].t()
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -142,7 +141,7 @@ def from_hf(cfg: Config, hf: Tensors) -> Tensors:
         e = src + "block_sparse_moe.experts.{}."
         gate = torch.stack([hf[e.format(j) + "w1.weight"].t() for j in range(num_experts)])  # [E, h, f]
         up = torch.stack([hf[e.format(j) + "w3.weight"].t() for j in range(num_experts)])  # [E, h, f]
-        out[dst + "ffn.experts.w1"] = torch.stack([gate, up], dim=-1).flatten(-2)  # interleave -> [E, h, 2f]
+        out[dst + "ffn.experts.w1"] = torch.stack([gate, up], dim=2)  # [E, h, 2, f]
         out[dst + "ffn.experts.w2"] = torch.stack([hf[e.format(j) + "w2.weight"].t() for j in range(num_experts)])
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -7,7 +7,8 @@
 * `upcycle`: sparse upcycling (Komatsuzaki et al. 2023, §3.1): every expert of every layer starts
   as that layer's dense FFN, the router as initialized from the seed; with top-k weights that sum
   to one (top_k >= 2, renormalized) the MoE model computes exactly the dense model's function;
-* `export_hf` / `import_hf`: Hugging Face Mixtral (`convert/hf_mixtral.py`).
+* `export_hf` / `import_hf`: Hugging Face Mixtral (`convert/hf_mixtral.py`);
+* `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
 
 Conversions work on full global tensors, so they need host memory for the whole checkpoint.
 Parameter identities (global shape, sharding) come from building the single-process model.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,7 +30,8 @@ from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.inference import build_single_process_model
 from megatron_moe.training.checkpoint import (checkpoint_config, layout_dict, read_meta, resolve_checkpoint,
                                               single_process_config, write_checkpoint_dir)
-from megatron_moe.training.checkpoint_io import ShardedEntry, full_entry, load_full, read_metadata
+from megatron_moe.training.checkpoint_io import (ShardedEntry, full_entry, interleaved_swiglu_dim, load_full,
+                                                 read_metadata)
 
 SINGLE = ["parallel.tensor=1", "parallel.expert=1", "parallel.expert_shard=1", "parallel.pipeline=1",
           "checkpoint.load=null"]
@@ -75,6 +77,13 @@ def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.
 def reshard(path: str, out_root: str, tensor: int, expert: int, expert_shard: int) -> str:
     """Rewrite checkpoint `path` with the chunks of layout (tensor, expert, expert_shard)."""
     path, meta, tensors = read_checkpoint(path)
+    return _write_layout(path, out_root, meta, tensors, tensor, expert, expert_shard)
+
+
+def _write_layout(path: str, out_root: str, meta: dict, tensors: Dict[str, torch.Tensor], tensor: int, expert: int,
+                  expert_shard: int) -> str:
+    """Full global tensors of checkpoint `path` -> a checkpoint under `out_root` whose chunks are
+    those of layout (tensor, expert, expert_shard)."""
     world = math.lcm(tensor, expert * expert_shard)
     cfg = checkpoint_config(path, [f"parallel.tensor={tensor}", f"parallel.expert={expert}",
                                    f"parallel.expert_shard={expert_shard}", "checkpoint.load=null"])
@@ -102,6 +111,36 @@ def reshard(path: str, out_root: str, tensor: int, expert: int, expert_shard: in
     return write_checkpoint_dir(out_root, meta["iteration"], entries, new_meta, to_yaml(cfg), None)
 
 
+# -- SwiGLU layout upgrade -------------------------------------------------------------------------
+def halves_from_interleaved(old: torch.Tensor, new_shape) -> Optional[torch.Tensor]:
+    """A SwiGLU tensor saved before the (gate, up) halves layout (`model/mlp.py`): its units were
+    one dimension of 2f with gate/up interleaved ([f, 2] order). If `old` is that form of a
+    tensor of `new_shape` (a dimension of size 2 followed by f), return it in the new layout;
+    else None."""
+    k = interleaved_swiglu_dim(old.shape, new_shape)
+    if k is None:
+        return None
+    return old.unflatten(k, (new_shape[k + 1], 2)).transpose(k, k + 1).contiguous()
+
+
+def upgrade_swiglu(path: str, out_root: str) -> str:
+    """Rewrite a checkpoint whose SwiGLU weights (dense fc1, experts' w1 / b1, and their AdamW
+    moments) are in the old interleaved layout into the (gate, up) halves layout, keeping its
+    iteration, optimizer state and parallel layout."""
+    path, meta, tensors = read_checkpoint(path)
+    metas = {name: p.meta for name, p in build_single_process_model(single_process_config(path)).named_parameters()}
+    converted = 0
+    for key, tensor in tensors.items():
+        if key.startswith(("model/", "optim/")) and not key.endswith("/step"):
+            new = halves_from_interleaved(tensor, metas[_param_of(key)].global_shape)
+            if new is not None:
+                tensors[key], converted = new, converted + 1
+    if not converted:
+        raise ValueError(f"{path} has no SwiGLU tensor in the interleaved layout: nothing to upgrade")
+    layout = meta["layout"]
+    return _write_layout(path, out_root, meta, tensors, layout["tensor"], layout["expert"], layout["expert_shard"])
+
+
 def consolidate(path: str, out_file: str) -> None:
     """Every global tensor of checkpoint `path` in one safetensors file; meta.json and the config
     ride along as text in the file's metadata."""
@@ -113,8 +152,9 @@ def consolidate(path: str, out_file: str) -> None:
 
 
 # -- upcycling ----------------------------------------------------------------------------------
-# dense FFN param -> (expert param, one expert's slice): fc1 [W, h] -> w1[e] [h, W], fc2 [h, f] -> w2[e] [f, h]
-_UPCYCLE = {"fc1.weight": ("w1", torch.t), "fc1.bias": ("b1", lambda t: t),
+# dense FFN param -> (expert param, one expert's slice): fc1 [(2,) f, h] -> w1[e] [h, (2,) f],
+# fc2 [h, f] -> w2[e] [f, h]
+_UPCYCLE = {"fc1.weight": ("w1", lambda t: t.movedim(-1, 0)), "fc1.bias": ("b1", lambda t: t),
             "fc2.weight": ("w2", torch.t), "fc2.bias": ("b2", lambda t: t)}
 
 

@@ -7,7 +7,9 @@ size 1. Byte counts use Parm's notation for a collective's message size x (Parm 
     all_gather      x = bytes of the gathered output (all ranks' pieces)
     reduce_scatter  x = bytes of the input (before scattering)
     all_to_all      x = bytes of this rank's input (all splits, including the one it keeps)
-    broadcast/send/recv: bytes of the tensor; p2p_exchange: bytes of the tensors it sends
+    broadcast       the root: bytes of the tensor x (size - 1) receivers; the others 0
+    reduce          every rank but the root: bytes of its tensor; the root 0
+    p2p_exchange    bytes of the tensors it sends
 
 Time is recorded twice per op: *total* (the op's span) and *exposed* (the time the caller was
 blocked by it). A synchronous op's exposed time is its total. An asynchronous op
@@ -163,6 +165,16 @@ def all_gather_object(obj, group: Group, kind: str = "all_gather_object") -> lis
     return out
 
 
+def broadcast_object(obj, src_index: int, group: Group, kind: str = "broadcast_object"):
+    """Rank `src_index`'s picklable `obj` on every rank of `group` (small metadata; bytes not counted)."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    with _timed(kind, group, 0):
+        dist.broadcast_object_list(box, src=group.global_rank(src_index), group=group.handle)
+    return box[0]
+
+
 def _backend_device(group: Group) -> torch.device:
     """Where a tensor created here must live for `group`'s backend (NCCL: the current GPU)."""
     if dist.get_backend(group.handle) == "nccl":
@@ -208,9 +220,10 @@ class Pending:
     total time (module docstring) once, and returns `result()` (None for point-to-point)."""
 
     def __init__(self, kind: str, group: Optional[Group], works: Sequence, result: Callable[[], object] = lambda: None,
-                 issued_at: float = 0.0, issue_seconds: float = 0.0):
+                 issued_at: float = 0.0, issue_seconds: float = 0.0, keep: object = None):
         self.kind, self.group, self.works, self._result = kind, group, list(works), result
         self.issued_at, self.issue_seconds = issued_at, issue_seconds
+        self._keep = keep  # the tensors in flight stay alive until wait()
         self._done = False
 
     @classmethod
@@ -226,17 +239,17 @@ class Pending:
             end = time.perf_counter()
             if self.group is not None:
                 COMM_STATS.record_time(self.kind, self.group, end - self.issued_at, self.issue_seconds + end - start)
-            self._done = True
+            self._done, self._keep, self.works = True, None, []
         return self._result()
 
 
 def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequence],
-           result: Callable[[], object] = lambda: None) -> Pending:
-    """Count `nbytes`, start the async ops and return their handle."""
+           result: Callable[[], object] = lambda: None, keep: object = None) -> Pending:
+    """Count `nbytes`, start the async ops and return their handle (holding `keep` until done)."""
     COMM_STATS.record_bytes(kind, group, nbytes)
     issued_at = time.perf_counter()
     works = start_ops()
-    return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at)
+    return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at, keep)
 
 
 def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: str = "all_gather") -> Pending:
@@ -247,7 +260,7 @@ def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: st
     buf, pieces = _gather_buffers(t, group, sizes)
     return _issue(kind, group, _row_bytes(t) * sum(sizes),
                   lambda: [dist.all_gather(pieces, buf, group=group.handle, async_op=True)],
-                  lambda: torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0))
+                  lambda: torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0), keep=buf)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -298,9 +311,27 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
     """In-place broadcast from rank `src_index` of `group`."""
     if group.size == 1:
         return t
-    with _timed("broadcast", group, _nbytes(t)):
+    with _timed("broadcast", group, _nbytes(t) * (group.size - 1) if group.rank == src_index else 0):
         dist.broadcast(t, src=group.global_rank(src_index), group=group.handle)
     return t
+
+
+def broadcast_async(t: torch.Tensor, src_index: int, group: Group, kind: str = "broadcast") -> Pending:
+    """Start an in-place broadcast of `t` from rank `src_index` of `group`; `wait()` before reading `t`."""
+    if group.size == 1:
+        return Pending.completed()
+    nbytes = _nbytes(t) * (group.size - 1) if group.rank == src_index else 0
+    return _issue(kind, group, nbytes, lambda: [dist.broadcast(t, src=group.global_rank(src_index), group=group.handle,
+                                                                async_op=True)], keep=t)
+
+
+def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "reduce") -> Pending:
+    """Start a sum of every rank's `t` into `t` on rank `dst_index` of `group` (others' `t` undefined after)."""
+    if group.size == 1:
+        return Pending.completed()
+    nbytes = 0 if group.rank == dst_index else _nbytes(t)
+    return _issue(kind, group, nbytes, lambda: [dist.reduce(t, dst=group.global_rank(dst_index), op=dist.ReduceOp.SUM,
+                                                             group=group.handle, async_op=True)], keep=t)
 
 
 def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
@@ -312,7 +343,7 @@ def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tupl
     ops += [dist.P2POp(dist.irecv, t, group.global_rank(i), group.handle) for i, t in recvs if t.numel()]
     if not ops:
         return Pending.completed()
-    return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops))
+    return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops), keep=ops)
 
 
 # ---- differentiable wrappers --------------------------------------------------------------------

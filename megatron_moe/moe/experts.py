@@ -2,24 +2,31 @@
 
 Global parameters (all `kind="expert"`, initialized from the seed independently of the layout):
 
-    w1 [E, h, W]  shards [(0, "ep"), (2, "esp")]   W = f (gelu) or 2f (swiglu)
-    w2 [E, f, h]  shards [(0, "ep"), (1, "esp")]
-    b1 [E, W]     shards [(0, "ep"), (1, "esp")]   (model.bias)
-    b2 [E, h]     shards [(0, "ep"), (1, "esp")]   (model.bias; sharded on h, see below)
+    w1 [E, h, f]     gelu     shards [(0, "ep"), (2, "esp")]
+    w1 [E, h, 2, f]  swiglu   shards [(0, "ep"), (3, "esp")]   (gate, up) halves, `model/mlp.py`
+    w2 [E, f, h]              shards [(0, "ep"), (1, "esp")]
+    b1 [E, f] | [E, 2, f]     shards [(0, "ep"), (last, "esp")]   (model.bias)
+    b2 [E, h]                 shards [(0, "ep"), (1, "esp")]      (model.bias; sharded on h, see below)
 
 Expert e computes act(x w1[e] + b1[e]) w2[e] + b2[e]. ESP rank j holds FFN units
-[j f/esp, (j+1) f/esp) and produces a partial sum over those units (Parm §II-B, like Megatron's
-row-parallel layer); the schedule adds the shards' partial sums (ESP-AllReduce, or a local combine).
-SwiGLU: w1's columns hold (gate, up) interleaved per unit (column 2u = gate of unit u, 2u+1 =
-up), the convention of `model/mlp.py`, so any contiguous ESP shard of W holds matching gate and
-up columns. b2 is sharded along h: ESP rank j adds its h-slice of b2 into columns
-[j h/esp, (j+1) h/esp) of its partial output (zeros elsewhere), so the summed output contains b2
-exactly once and b2's gradient needs no extra synchronization.
+[j f/esp, (j+1) f/esp) (for SwiGLU the gate and the up units of that range, contiguous: its local
+w1 [E_l, h, 2, f/esp] is one [h, 2 f/esp] matrix per expert) and produces a partial sum over those
+units (Parm §II-B, like Megatron's row-parallel layer); the schedule adds the shards' partial sums
+(ESP-AllReduce, or a local combine). b2 is sharded along h: ESP rank j adds its h-slice of b2 into
+columns [j h/esp, (j+1) h/esp) of its partial output (zeros elsewhere), so the summed output
+contains b2 exactly once and b2's gradient needs no extra synchronization.
+
+Compute: the batch holds every owned expert's rows (ascending), then the rows of the replicas the
+placement gave this rank (`Placement.experts_on`). Owned experts run through the parameter
+stacks themselves, replicas through the weights *Trans* moved in (`moe/replicas.py`), each as one
+grouped GEMM per projection (`moe/grouped_gemm.py`): no per-expert indexing of the stacks, so
+the cost does not grow with the number of experts at a fixed amount of work.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +34,18 @@ import torch.nn.functional as F
 from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import expert_ffn_hidden_size
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.mlp import ffn_activation, ffn_input_width
+from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.model.transformer import residual_output_std
+from megatron_moe.moe.grouped_gemm import grouped_mm
 
 
 @dataclass
 class ExpertBatch:
-    """Rows to compute on this rank, grouped by expert."""
+    """Rows to compute on this rank, grouped by expert (`Placement.experts_on` order)."""
 
     tokens: torch.Tensor  # [m, h], expert_ids[0]'s rows first
-    expert_ids: List[int]  # global expert ids, ascending
+    expert_ids: List[int]  # global expert ids: every owned expert (ascending), then replicas (ascending)
     counts: List[int]  # rows per expert (sums to m)
 
 
@@ -63,43 +71,71 @@ class Experts(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState):
         super().__init__()
         m, num_experts = cfg.model, cfg.moe.num_experts
-        ffn = expert_ffn_hidden_size(cfg)
-        width = ffn_input_width(ffn, m.activation)
+        units = ffn_units_shape(expert_ffn_hidden_size(cfg), m.activation)  # (f,) or (2, f)
         self.activation = m.activation
-        self.num_local = num_experts // state.ep_size
-        self.first_expert = state.ep.rank * self.num_local
+        self.num_experts, self.num_local = num_experts, num_experts // state.ep_size
+        self.ep_rank, self.first_expert = state.ep.rank, state.ep.rank * self.num_local
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
 
         def param(shape, dim, init="normal", std=0.0, role="weight"):
             return make_param(ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")],
                                         init=init, std=std, role=role), state)
 
-        self.w1 = param((m.hidden_size, width), 2, std=m.init_std)
-        self.w2 = param((ffn, m.hidden_size), 1, std=residual_output_std(m))
-        self.b1 = param((width,), 1, init="zeros", role="bias") if m.bias else None
+        self.w1 = param((m.hidden_size,) + units, 1 + len(units), std=m.init_std)
+        self.w2 = param((units[-1], m.hidden_size), 1, std=residual_output_std(m))
+        self.b1 = param(units, len(units), init="zeros", role="bias") if m.bias else None
         self.b2 = param((m.hidden_size,), 1, init="zeros", role="bias") if m.bias else None
 
-    def forward(self, batch: ExpertBatch, grad_scale: float = 1.0) -> torch.Tensor:
-        """[m, h] rows -> [m, h] partial sums of this ESP shard (b2 slice included).
-        `grad_scale` multiplies the weights' gradients (the schedule's redundancy correction)."""
-        w1, w2 = scale_grad(self.w1, grad_scale), scale_grad(self.w2, grad_scale)
-        b1 = scale_grad(self.b1, grad_scale) if self.b1 is not None else None
-        b2 = scale_grad(self.b2, grad_scale) if self.b2 is not None else None
-        outputs = []
-        for expert, rows in zip(batch.expert_ids, batch.tokens.split(batch.counts)):
-            i = expert - self.first_expert
-            assert 0 <= i < self.num_local, f"expert {expert} is not held by this rank"
-            hidden = rows @ w1[i]  # [m_e, W/esp]
-            if b1 is not None:
-                hidden = hidden + b1[i]
-            out = ffn_activation(hidden, self.activation) @ w2[i]  # [m_e, h] partial over FFN units
-            if b2 is not None:
-                out = out + self._own_columns(b2[i])
-            outputs.append(out)
-        return torch.cat(outputs)  # every rank computes at least the experts it owns
+    @property
+    def owned_expert_ids(self) -> List[int]:
+        return list(range(self.first_expert, self.first_expert + self.num_local))
 
-    def _own_columns(self, b2_slice: torch.Tensor) -> torch.Tensor:
-        """[h/esp] -> [h]: this shard's slice of b2 at its columns, zeros elsewhere."""
-        width = b2_slice.shape[0]
-        before = self.esp_rank * width
-        return F.pad(b2_slice, (before, self.hidden_size - before - width))
+    def stacks(self) -> List[torch.Tensor]:
+        """The parameters *Trans* moves for a replica, in a fixed order (moe/replicas.py)."""
+        return [p for p in (self.w1, self.w2, self.b1, self.b2) if p is not None]
+
+    def fetch_replicas(self, placement, state: ParallelState):
+        """Start *Trans* of the replica weights `placement` needs (or None if it has no replica)."""
+        from megatron_moe.moe.replicas import fetch_replicas
+
+        return fetch_replicas(self, placement, state)
+
+    def forward(self, batch: ExpertBatch, replicas=None, grad_scale: float = 1.0) -> torch.Tensor:
+        """[m, h] rows -> [m, h] partial sums of this ESP shard (b2 slice included). `replicas`:
+        `fetch_replicas`'s result for the placement the batch came from. `grad_scale` multiplies
+        the weights' gradients (the schedule's redundancy correction), replicas' included."""
+        owned = self.owned_expert_ids
+        if batch.expert_ids[: self.num_local] != owned:
+            raise ValueError(f"EP rank {self.ep_rank}: expert batch {batch.expert_ids} must start with the "
+                             f"experts it owns {owned} (Placement.experts_on)")
+        extra = batch.expert_ids[self.num_local:]
+        held = replicas.expert_ids if replicas is not None else []
+        if extra != held:
+            missing = sorted(set(extra) - set(held)) or extra
+            raise LookupError(f"EP rank {self.ep_rank} was asked to compute expert(s) {missing}, which it neither "
+                              f"owns ({owned}) nor received as replicas ({held})")
+        own_rows = sum(batch.counts[: self.num_local])
+        outputs = [self._ffn(batch.tokens[:own_rows], [scale_grad(p, grad_scale) for p in self.stacks()],
+                             batch.counts[: self.num_local])]
+        if replicas is not None:  # also with no rows here: Trans's backward (Agg) must run on every rank
+            outputs.append(self._ffn(batch.tokens[own_rows:], [scale_grad(p, grad_scale) for p in replicas.stacks()],
+                                     batch.counts[self.num_local:]))
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int]) -> torch.Tensor:
+        """x [m, h] grouped by expert (`counts`) through stacked shards (`stacks()` order) -> [m, h]."""
+        w1, w2 = params[0], params[1]
+        b1, b2 = (params[2], params[3]) if len(params) == 4 else (None, None)
+        experts = w1.shape[0]
+        hidden = grouped_mm(x, w1.reshape(experts, self.hidden_size, math.prod(w1.shape[2:])), counts)  # [m, W/esp]
+        rows = torch.tensor(counts, dtype=torch.long, device=x.device)
+        if b1 is not None:
+            hidden = hidden + b1.reshape(experts, math.prod(b1.shape[1:])).repeat_interleave(
+                rows, dim=0, output_size=x.shape[0])
+        out = grouped_mm(ffn_activation(hidden, self.activation), w2, counts)  # [m, h] partial over FFN units
+        if b2 is not None:
+            bias = b2.repeat_interleave(rows, dim=0, output_size=x.shape[0])  # [m, h/esp]
+            before = self.esp_rank * bias.shape[1]
+            out = out + F.pad(bias, (before, self.hidden_size - before - bias.shape[1]))
+        return out
+

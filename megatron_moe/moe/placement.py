@@ -13,15 +13,15 @@ Every balancer returns a Placement; every schedule executes one without knowing 
 Row order convention shared by all schedules: a source orders its rows by expert (ascending),
 deals expert e's rows out to ``replicas[e]`` in replica order (``routing_table[s, e, q]`` each),
 and sends to each EP rank its rows in that order. A receiver therefore gets, from each source,
-blocks per expert in ascending expert order, and computes the experts ``experts_on(q)``.
-
-Only the owner-only placement (`owner_only`) exists so far; FasterMoE shadowing, FlexMoE
-vExperts and Pro-Prophet plans add replicas and split the counts.
+blocks per expert in ascending expert order; `receive_order(q)` regroups them expert-major in the
+order of ``experts_on(q)``: every expert q owns (ascending, also those with no rows), then the
+experts it computes as a replica (ascending). `Experts.forward` computes that batch: the owned
+stack first, then the replica weights `moe/replicas.py` moved in (*Trans*).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -29,6 +29,12 @@ import torch
 def owner_of(expert: int, num_experts: int, ep_size: int) -> int:
     """EP rank holding expert `expert`'s weights."""
     return expert // (num_experts // ep_size)
+
+
+def owned_experts(q: int, num_experts: int, ep_size: int) -> List[int]:
+    """The experts EP rank q holds (contiguous: weights are sharded over ``ep`` on dim 0)."""
+    per_rank = num_experts // ep_size
+    return list(range(q * per_rank, (q + 1) * per_rank))
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -41,29 +47,65 @@ class Placement:
     routing_table: torch.Tensor  # Long[S, E, ep]
 
     def __post_init__(self):
-        table = self.routing_table
-        assert table.dim() == 3 and table.shape[1] == len(self.replicas), tuple(table.shape)
-        allowed = torch.zeros(table.shape[1:], dtype=torch.bool)  # [E, ep]
+        # checked with raise, not assert: a wrong placement computes wrong results (kept under -O)
+        table, num_experts = self.routing_table, len(self.replicas)
+        if table.dim() != 3 or table.shape[1] != num_experts:
+            raise ValueError(f"Placement: routing_table {tuple(table.shape)} does not match {num_experts} experts")
+        per_rank = num_experts // table.shape[2]
+        pairs = [(e, q) for e, ranks in enumerate(self.replicas) for q in ranks]  # replica order
         for e, ranks in enumerate(self.replicas):
-            allowed[e, list(ranks)] = True
-        assert not table[:, ~allowed].any(), "routing_table sends tokens to a rank that is no replica"
+            if not ranks or ranks[0] != e // per_rank or len(set(ranks)) != len(ranks):
+                raise ValueError(f"Placement: replicas of expert {e} must list its owner first, once each: {ranks}")
+        pair_experts, pair_ranks = torch.tensor(pairs, dtype=torch.long).t()
+        allowed = torch.zeros(table.shape[1:], dtype=torch.bool)  # [E, ep]
+        allowed[pair_experts, pair_ranks] = True
+        if table[:, ~allowed].any():
+            raise ValueError("Placement: routing_table sends tokens to a rank that is no replica")
+        object.__setattr__(self, "_pairs", (pair_experts, pair_ranks))  # (expert, rank) in replica order
 
     @classmethod
     def owner_only(cls, counts: torch.Tensor, ep_size: int) -> "Placement":
         """Every expert computed by its owner: counts Long[S, E] -> routing_table[s, e, owner(e)]."""
         num_sources, num_experts = counts.shape
-        owners = [owner_of(e, num_experts, ep_size) for e in range(num_experts)]
+        owners = torch.arange(num_experts) // (num_experts // ep_size)
         table = torch.zeros(num_sources, num_experts, ep_size, dtype=torch.long)
         table[:, torch.arange(num_experts), owners] = counts.long()
-        return cls(tuple((q,) for q in owners), table)
+        return cls(tuple((q,) for q in owners.tolist()), table)
+
+    @classmethod
+    def shadowed(cls, counts: torch.Tensor, ep_size: int, shadowed: Sequence[int],
+                 source_ep_ranks: Sequence[int]) -> "Placement":
+        """FasterMoE's dynamic shadowing (§4.1, Fig. 6): every expert in `shadowed` is replicated on
+        every EP rank and each source computes its own rows of it where it sits
+        (`source_ep_ranks[s]`); the other experts stay with their owners."""
+        placement = cls.owner_only(counts, ep_size)
+        if not shadowed:
+            return placement
+        replicas, table = list(placement.replicas), placement.routing_table
+        local = torch.tensor(list(source_ep_ranks), dtype=torch.long)  # [S]
+        for e in shadowed:
+            owner = replicas[e][0]
+            replicas[e] = (owner,) + tuple(q for q in range(ep_size) if q != owner)
+            table[:, e] = 0
+            table[torch.arange(counts.shape[0]), e, local] = counts[:, e].long()
+        return cls(tuple(replicas), table)
 
     @property
     def ep_size(self) -> int:
         return self.routing_table.shape[2]
 
     def experts_on(self, q: int) -> List[int]:
-        """Experts EP rank q computes (owned or replicated), ascending."""
-        return [e for e, ranks in enumerate(self.replicas) if q in ranks]
+        """Experts EP rank q computes: all it owns (ascending), then its replicas (ascending)."""
+        return owned_experts(q, len(self.replicas), self.ep_size) + self.replicas_on(q)
+
+    def replicas_on(self, q: int) -> List[int]:
+        """Experts EP rank q computes without owning them (their weights come by *Trans*), ascending."""
+        return [e for e, ranks in enumerate(self.replicas) if q in ranks[1:]]
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas beyond the owners (FasterMoE's shadows, Pro-Prophet's placements, ...)."""
+        return sum(len(ranks) - 1 for ranks in self.replicas)
 
     def send_splits(self, src: int) -> List[int]:
         """Rows source `src` sends to each EP rank [ep]."""
@@ -79,19 +121,17 @@ class Placement:
 
     def destinations(self, src: int) -> torch.Tensor:
         """Long[rows]: the EP rank computing each of source `src`'s rows, rows ordered by expert."""
-        ranks, repeats = [], []
-        for e, replicas in enumerate(self.replicas):
-            for q in replicas:
-                ranks.append(q)
-                repeats.append(int(self.routing_table[src, e, q]))
-        return torch.repeat_interleave(torch.tensor(ranks, dtype=torch.long), torch.tensor(repeats, dtype=torch.long))
+        pair_experts, pair_ranks = self._pairs
+        return torch.repeat_interleave(pair_ranks, self.routing_table[src, pair_experts, pair_ranks])
 
     def receive_order(self, q: int) -> torch.Tensor:
         """Long[rows]: permutation of EP rank q's received rows (source-major, experts ascending
-        within a source) into expert-major order (experts ascending, sources ascending within)."""
+        within a source) into expert-major order (experts as in `experts_on(q)`, sources ascending
+        within an expert)."""
         blocks = self.routing_table[:, :, q]  # [S, E] rows per (source, expert)
         starts = _exclusive_cumsum(blocks.flatten()).view_as(blocks)  # offset of each block as received
-        lengths, starts = blocks.t().flatten(), starts.t().flatten()  # expert-major block order
+        order = self.experts_on(q)
+        lengths, starts = blocks[:, order].t().flatten(), starts[:, order].t().flatten()  # expert-major blocks
         within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
         return torch.repeat_interleave(starts, lengths) + within
 

@@ -20,6 +20,8 @@ class MoEStats:
     tokens_per_ep_rank: torch.Tensor
     # the schedule that ran this forward (`moe.schedule`; with `auto`, the one Parm's Alg. 1 picked)
     schedule: str = ""
+    # expert replicas beyond the owners in this forward's placement (`Placement.num_replicas`)
+    replicas: int = 0
 
     @property
     def load_imbalance(self) -> float:
@@ -39,6 +41,8 @@ class IterationMoEStats:
     # per layer: how many of this rank's micro-batch forwards ran each schedule (Parm `auto` may
     # pick s1 or s2 per layer and forward)
     schedules: List[Counter] = field(default_factory=list)
+    replicas: torch.Tensor = None  # Long[L] expert replicas beyond the owners, summed over forwards
+    forwards: int = 1  # micro-batch forwards summed
 
     @classmethod
     def of(cls, stats: List[MoEStats]) -> "IterationMoEStats":
@@ -46,9 +50,10 @@ class IterationMoEStats:
         return cls(torch.stack([s.tokens_per_expert.cpu() for s in stats]),
                    torch.tensor([s.dropped for s in stats], dtype=torch.long),
                    torch.stack([s.tokens_per_ep_rank.cpu() for s in stats]),
-                   [Counter({s.schedule: 1}) for s in stats])
+                   [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]))
 
     def __add__(self, other: "IterationMoEStats") -> "IterationMoEStats":
         return IterationMoEStats(self.tokens_per_expert + other.tokens_per_expert, self.dropped + other.dropped,
                                  self.tokens_per_ep_rank + other.tokens_per_ep_rank,
-                                 [a + b for a, b in zip(self.schedules, other.schedules)])
+                                 [a + b for a, b in zip(self.schedules, other.schedules)],
+                                 self.replicas + other.replicas, self.forwards + other.forwards)

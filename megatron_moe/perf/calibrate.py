@@ -1,34 +1,65 @@
-"""Measure the collectives of a hardware profile on the current ranks and fit their alpha-beta
-costs (Parm §V-A, §VI-B: time at several message sizes, least squares).
+"""Measure a hardware profile on the current ranks (Parm §V-A, §VI-B: time each op at several
+sizes, fit alpha + beta x by least squares), for `tools/profile_comm.py` and start-up calibration.
 
-    points = measure_points(state, sizes, reps)         # collective: every rank of `state` calls it
-    profile = fit_profile("my_cluster", points, fit)    # pure: works on any timings
+    points = measure_points(state, sizes, reps, device, expert_shape)   # collective
+    profile = fit_profile("my_cluster", points, fit)                     # pure: any timings
 
-Operations, x = elements (fp32 values) in the convention of `distributed/collectives.py`:
+Operations (`perf/hardware.py`), x = elements (fp32 values) in the convention of
+`distributed/collectives.py`, or FLOPs:
 
 * mp_allgather:    MP-AllGather on `tp` whose gathered output has x elements;
 * ep_esp_alltoall: EP&ESP-AlltoAll on `ep_esp` with x input elements per rank, split evenly;
 * saa:             S2's second EP&ESP-AlltoAll as SAA (`EpEspExchange`, moe/schedules/parm.py):
                    x elements of partial sums per rank, phased over `ep_esp`, with the MP-AllGather
-                   of the combined rows on `tp` overlapped.
+                   of the combined rows on `tp` overlapped;
+* p2p:             x elements exchanged between EP ranks 2i and 2i+1 of `ep` (both directions);
+* broadcast:       x elements broadcast from EP rank 0 to the others (FasterMoE's shadow transfer);
+* expert_compute:  one expert FFN forward (the model's shape, `ExpertShape`) of x FLOPs on each rank.
 
-Each point is the median over `reps` of the slowest rank's time (`perf/timing.py`).
+An op on a group of one rank costs nothing and is recorded as alpha = beta = 0. Each point is
+the median over `reps` of the slowest rank's time (`perf/timing.py`), so every rank fits the same
+profile.
+
+`resolve_hardware_profile(cfg, state)` is what the trainer calls: with `perf.hardware_profile`
+unset and a technique that needs one (`moe.schedule: auto`, `moe.balancer: fastermoe`), it
+calibrates in a few seconds (or reuses the profile cached for this machine, layout and expert
+shape), writes it to the cache and the run directory, says so on the console, and returns the
+config pointing at it.
 """
 from __future__ import annotations
 
+import os
+import platform
 import statistics
-from typing import Callable, Dict, List, Sequence, Tuple
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.perf.alpha_beta import fit_alpha_beta
-from megatron_moe.perf.hardware import OPS, HardwareProfile
+from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
+from megatron_moe.perf.hardware import OPS, HardwareProfile, load_profile, save_profile
 from megatron_moe.perf.timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
-Points = Dict[str, Tuple[List[int], List[float]]]  # op -> (elements, seconds)
+Points = Dict[str, Tuple[List[int], List[float]]]  # op -> (x, seconds); x = [] on a group of one rank
+STARTUP_SIZES = (1 << 12, 1 << 15, 1 << 18)  # elements per op at start-up: a few seconds in all
+STARTUP_ROWS = (64, 256, 1024)  # expert rows timed at start-up
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One expert shard's FFN: hidden h, FFN units f (this shard's), gated (SwiGLU) or not."""
+
+    hidden: int = 1024
+    ffn: int = 4096
+    gated: bool = False
+
+    @property
+    def flops_per_row(self) -> float:
+        return 2.0 * self.hidden * self.ffn * (3 if self.gated else 2)
 
 
 def geometric_sizes(min_elements: int, max_elements: int, points: int) -> List[int]:
@@ -41,12 +72,13 @@ def _rows(elements: int, parts: int) -> int:
     return max(1, round(elements / (parts * WIDTH)))
 
 
-def _builders(state: ParallelState, device: torch.device) -> Dict[str, Callable[[int], Tuple[int, Callable]]]:
-    """op -> (requested elements -> (elements actually moved, callable that runs the op once))."""
+def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
+    """op -> (group, requested size -> (x actually measured, callable that runs the op once))."""
+    from megatron_moe.moe.grouped_gemm import grouped_mm
     from megatron_moe.moe.placement import Placement
     from megatron_moe.moe.schedules.parm import EpEspExchange
 
-    tp, ep_esp = state.tp, state.ep_esp
+    tp, ep, ep_esp = state.tp, state.ep, state.ep_esp
 
     def allgather(elements):
         piece = torch.randn(_rows(elements, tp.size), WIDTH, device=device)
@@ -68,31 +100,118 @@ def _builders(state: ParallelState, device: torch.device) -> Dict[str, Callable[
         out = torch.randn(per_source * ep_esp.size, WIDTH, device=device)
         return out.numel(), lambda: exchange.up(out)
 
-    return {"mp_allgather": allgather, "ep_esp_alltoall": alltoall, "saa": saa}
+    def p2p(elements):
+        send = torch.randn(_rows(elements, 1), WIDTH, device=device)
+        recv = torch.empty_like(send)
+        peer = ep.rank ^ 1
+        pairs = ([(peer, send)], [(peer, recv)]) if peer < ep.size else ([], [])
+        return send.numel(), lambda: C.p2p_exchange(*pairs, ep, kind="p2p").wait()
+
+    def broadcast(elements):
+        t = torch.randn(_rows(elements, 1), WIDTH, device=device)
+        return t.numel(), lambda: C.broadcast(t, 0, ep)
+
+    def expert_compute(rows):
+        x = torch.randn(rows, shape.hidden, device=device)
+        w1 = torch.randn(1, shape.hidden, shape.ffn * (2 if shape.gated else 1), device=device) / shape.hidden ** 0.5
+        w2 = torch.randn(1, shape.ffn, shape.hidden, device=device)
+
+        def run():
+            with torch.no_grad():
+                hidden = grouped_mm(x, w1, [rows])
+                grouped_mm(hidden[:, : shape.ffn].contiguous(), w2, [rows])
+        return rows * shape.flops_per_row, run
+
+    return {"mp_allgather": (tp, allgather), "ep_esp_alltoall": (ep_esp, alltoall), "saa": (ep_esp, saa),
+            "p2p": (ep, p2p), "broadcast": (ep, broadcast), "expert_compute": (None, expert_compute)}
 
 
 def measure_points(state: ParallelState, sizes: Sequence[int], reps: int, device: torch.device,
-                   progress: Callable[[str], None] = lambda _: None) -> Points:
-    """Collective: time every op of the profile at every size (one warm-up run each)."""
+                   shape: ExpertShape = ExpertShape(), rows: Sequence[int] = STARTUP_ROWS,
+                   ops: Sequence[str] = OPS, progress: Callable[[str], None] = lambda _: None) -> Points:
+    """Collective: time every op in `ops` at every size (rows for expert_compute), one warm-up each."""
     points: Points = {}
-    for name, build in _builders(state, device).items():
+    for name, (group, build) in _builders(state, device, shape).items():
+        if name not in ops:
+            continue
         xs, times = [], []
-        for size in sizes:
-            elements, run = build(size)
-            run()  # warm-up
-            xs.append(elements)
-            times.append(statistics.median(slowest_rank_seconds(run, state) for _ in range(reps)))
+        if group is None or group.size > 1:
+            for size in (rows if name == "expert_compute" else sizes):
+                x, run = build(size)
+                run()  # warm-up
+                xs.append(x)
+                times.append(statistics.median(slowest_rank_seconds(run, state) for _ in range(reps)))
         points[name] = (xs, times)
-        progress(f"{name}: {len(sizes)} sizes timed")
+        progress(f"{name}: {len(xs)} sizes timed" if xs else f"{name}: group of one rank, no cost")
     return points
 
 
 def fit_profile(name: str, points: Points, fit: Dict, description: str = "") -> HardwareProfile:
-    """Least-squares alpha-beta of every op (`perf/alpha_beta.py`); the points go into `fit.points`."""
-    missing = set(OPS) - points.keys()
-    if missing:
-        raise ValueError(f"fit_profile: no timings for {sorted(missing)}")
-    fits = {op: fit_alpha_beta(*points[op]) for op in OPS}
-    fit = dict(fit, points={op: {"elements": list(map(int, points[op][0])),
-                                 "seconds": [float(f"{t:.6g}") for t in points[op][1]]} for op in OPS})
+    """Least-squares alpha-beta of every op in `points` (`perf/alpha_beta.py`); an op measured on a
+    group of one rank (no points) costs 0. The points go into `fit.points`."""
+    unknown = set(points) - set(OPS)
+    if unknown or not points:
+        raise ValueError(f"fit_profile: timings for unknown ops {sorted(unknown)}" if unknown else
+                         "fit_profile: no timings")
+    fits = {op: fit_alpha_beta(*points[op]) if points[op][0] else AlphaBeta(0.0, 0.0) for op in points}
+    fit = dict(fit, points={op: {"x": [float(x) for x in points[op][0]],
+                                 "seconds": [float(f"{t:.6g}") for t in points[op][1]]} for op in points})
     return HardwareProfile(name, description=description, fit=fit, **fits)
+
+
+def fit_description(state: ParallelState, tool: str, reps: int, shape: ExpertShape) -> Dict:
+    from megatron_moe.distributed.launch import pick_backend
+
+    lay = state.layout
+    return {"tool": tool, "world_size": state.world_size, "host": platform.node(), "reps": reps,
+            "layout": {"tensor": lay.tensor, "expert": lay.expert, "expert_shard": lay.expert_shard},
+            "backend": pick_backend("auto") if state.world_size > 1 else "none", "torch": str(torch.__version__),
+            "expert_shape": {"hidden": shape.hidden, "ffn": shape.ffn, "gated": shape.gated}}
+
+
+# -- start-up calibration --------------------------------------------------------------------------
+def expert_shape(cfg, state: ParallelState) -> ExpertShape:
+    from megatron_moe.config.validate import expert_ffn_hidden_size
+
+    return ExpertShape(cfg.model.hidden_size, expert_ffn_hidden_size(cfg) // state.esp_size,
+                       cfg.model.activation == "swiglu")
+
+
+def cache_path(state: ParallelState, shape: ExpertShape, cache_dir: Optional[str] = None) -> str:
+    """Where the calibrated profile of this machine, layout and expert shape is cached."""
+    from megatron_moe.data.cache import default_cache_dir, description_hash
+
+    key = fit_description(state, "", 0, shape)
+    key.pop("reps"), key.pop("tool")
+    return os.path.join(cache_dir or default_cache_dir(), "hardware", f"{platform.node()}-{description_hash(key)}.yaml")
+
+
+def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
+                             say: Callable[[str], None] = print):
+    """`cfg` unchanged if it names a profile or needs none; else `cfg` with `perf.hardware_profile`
+    set to a profile calibrated on these ranks (or cached). Collective when it calibrates."""
+    from megatron_moe.config.validate import profile_needs
+
+    needs = profile_needs(cfg)
+    if cfg.perf.hardware_profile or not needs:
+        return cfg
+    shape = expert_shape(cfg, state)
+    path = cache_path(state, shape, cfg.data.cache_dir)
+    cached = load_profile(path) if state.rank == 0 and os.path.isfile(path) else None
+    profile = C.broadcast_object(cached, 0, state.world)  # rank 0's cache decides, so all ranks agree
+    if profile is None:
+        start = time.perf_counter()
+        points = measure_points(state, STARTUP_SIZES, 3, device, shape)
+        profile = fit_profile(f"calibrated-{platform.node()}", points, fit_description(state, "start-up", 3, shape),
+                              f"calibrated at start-up on {state.world_size} ranks")
+        message = f"calibrated in {time.perf_counter() - start:.1f} s on {state.world_size} ranks"
+    else:
+        message = "reused from the cache (delete the file to measure again)"
+    for ops, who in needs:
+        profile.require(ops, who)
+    save_profile(profile, path)
+    if state.rank == 0:
+        save_profile(profile, os.path.join(cfg.training.run_dir, "hardware_profile.yaml"))
+        say(f"perf: hardware profile for {', '.join(who for _, who in needs)} {message}: {path} "
+            f"(copied to {cfg.training.run_dir}/hardware_profile.yaml; set perf.hardware_profile to use your own)")
+    return replace(cfg, perf=replace(cfg.perf, hardware_profile=path))

@@ -27,20 +27,29 @@ class ColumnParallelLinear(torch.nn.Module):
 
     Input `[..., in]` replicated across TP; output `[..., out/tp]` (or `[..., out]` on every rank
     with `gather_output`). `valid_rows` marks zero padding rows of W (padded vocabulary).
+    `halves=True` (SwiGLU's gate and up projections in one weight, `model/mlp.py`): W is
+    [2, out, in] split on `out`, and each rank's output `[..., 2 out/tp]` is its gate half
+    followed by its up half.
     """
 
     def __init__(self, in_features: int, out_features: int, state: ParallelState, *, bias: bool = True,
-                 std: float = 0.02, gather_output: bool = False, valid_rows: Optional[int] = None):
+                 std: float = 0.02, gather_output: bool = False, valid_rows: Optional[int] = None,
+                 halves: bool = False):
         super().__init__()
+        assert not (halves and (gather_output or valid_rows)), "halves is for SwiGLU's fc1 only"
         self.group, self.gather_output = state.tp, gather_output
-        self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(0, "tp")], std=std,
+        out = (2, out_features) if halves else (out_features,)
+        shard = [(len(out) - 1, "tp")]
+        self.weight = make_param(ParamMeta("dense", out + (in_features,), shard, std=std,
                                            valid_rows=valid_rows, role="weight"), state)
         self.bias = None
         if bias:
-            self.bias = make_param(ParamMeta("dense", (out_features,), [(0, "tp")], init="zeros", role="bias"), state)
+            self.bias = make_param(ParamMeta("dense", out, shard, init="zeros", role="bias"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # [..., out/tp]
+        weight = self.weight.view(-1, self.weight.shape[-1])
+        bias = None if self.bias is None else self.bias.view(-1)
+        y = F.linear(copy_to_tp_region(x, self.group), weight, bias)  # [..., out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 

@@ -192,9 +192,23 @@ def check_entries(metadata: Metadata, entries: Dict[str, ShardedEntry], path: st
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint {path}: {fqn!r} is a pickled payload; refused")
         if tuple(md.size) != tuple(entry.global_shape):
+            if interleaved_swiglu_dim(tuple(md.size), tuple(entry.global_shape)) is not None:
+                raise CheckpointError(
+                    f"checkpoint {path} stores SwiGLU weights ({fqn} {tuple(md.size)}) in the old interleaved layout; "
+                    f"convert it: python tools/convert_checkpoint.py upgrade-swiglu --input {path} --output NEW_DIR")
             raise CheckpointError(
                 f"checkpoint {path}: {fqn} has global shape {tuple(md.size)} but this model expects "
                 f"{tuple(entry.global_shape)} (the model config differs from the checkpoint's config.yaml)")
+
+
+def interleaved_swiglu_dim(stored: Sequence[int], expected: Sequence[int]) -> Optional[int]:
+    """The dim k at which `expected` holds SwiGLU's (2, f) = (gate, up) units while `stored` has
+    them merged into one dim of 2f (the interleaved layout before issue #16), or None."""
+    stored, expected = tuple(stored), tuple(expected)
+    for k in range(len(expected) - 1):
+        if expected[k] == 2 and stored == expected[:k] + (2 * expected[k + 1],) + expected[k + 2:]:
+            return k
+    return None
 
 
 def load_entries(entries: Dict[str, ShardedEntry], path: str, single_process: bool = False) -> None:

@@ -5,8 +5,9 @@ gradients give the same global weights on any layout. Weight decay goes by what 
 (`ParamMeta.role`), not by its rank: matrices ("weight": linear weights, the router weight, the
 experts' w1/w2 stacks) and embedding tables ("embedding": word, position, token-type; as in
 Megatron-LM, which exempts only biases and norm parameters) decay; biases ("bias", the experts'
-2-D b1/b2 stacks included) and norm scales/shifts ("norm") do not. The fused CUDA kernel is used
-when every parameter lives on a GPU; otherwise torch's foreach implementation.
+2-D b1/b2 stacks included) and norm scales/shifts ("norm") do not. torch's fused kernel (CPU and
+CUDA; ~8x faster than the per-tensor loop torch picks by default on CPU) is used when every
+parameter is a float tensor on one of those; otherwise torch's default implementation.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and all(p.is_cuda for p in params)
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=fused or None)
+                             fused=True if fused else None)

@@ -35,6 +35,7 @@ from megatron_moe.moe.stats import IterationMoEStats
 from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
+from megatron_moe.perf.calibrate import resolve_hardware_profile
 
 
 def training_device(cfg: Config) -> torch.device:
@@ -51,8 +52,10 @@ class Trainer:
         if datasets is None:
             from megatron_moe.data.datasets import build_gpt_datasets_from_config as datasets
         tr = cfg.training
-        self.cfg, self.state = cfg, state
         self.device = training_device(cfg)
+        # auto / fastermoe without perf.hardware_profile: calibrate on these ranks (or reuse the cache)
+        cfg = resolve_hardware_profile(cfg, state, self.device)
+        self.cfg, self.state = cfg, state
         torch.manual_seed(tr.seed + state.dp.rank)  # same stream on TP ranks, distinct per data replica
         self.model = model_cls(cfg, state).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -107,15 +110,18 @@ class Trainer:
         """Per-MoE-layer load metrics of the iteration (same on every rank); keeps the per-source
         counts in `routed_per_source` for routing traces and the heatmap."""
         if moe is None:
-            return {"expert_load_imbalance": []}
+            return {"expert_load_imbalance": [], "moe_replicas": []}
         # each ep_esp group counted its own tokens; sum the groups
         loads = collectives.all_reduce(moe.tokens_per_ep_rank.to(self.device), self.state.edp)  # [L, ep]
         local = torch.cat([moe.tokens_per_expert, moe.dropped[:, None]], dim=1)[None]  # [1, L, E + 1]
         self.routed_per_source = collectives.all_gather(local.to(self.device), self.state.dp,
                                                         kind="moe_stats").cpu()  # [dp, L, E + 1]
         total = self.routed_per_source.sum(0)  # [L, E + 1]
+        # replicas per forward, averaged over this iteration's forwards and the ep_esp groups (edp)
+        replicas = collectives.all_reduce(moe.replicas.double().to(self.device), self.state.edp)
+        replicas = (replicas.cpu() / (moe.forwards * self.state.edp_size)).tolist()
         return {"expert_load_imbalance": load_imbalance(loads), **layer_load_metrics(total[:, :-1], total[:, -1]),
-                "moe_schedule": [dict(c) for c in moe.schedules]}
+                "moe_schedule": [dict(c) for c in moe.schedules], "moe_replicas": replicas}
 
     def train_step(self, iteration: int) -> Record:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""

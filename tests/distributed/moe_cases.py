@@ -49,10 +49,13 @@ def case_data(index: int, dp: int):
     return cfg, full, xs, torch.randn(dp, B, S, H, generator=gen)
 
 
-def run_layer(state, cfg: Config, full, xs, gs) -> Dict:
-    """This rank's forward + backward of one MoE layer (cfg may name any schedule)."""
+def run_layer(state, cfg: Config, full, xs, gs, balancer=None) -> Dict:
+    """This rank's forward + backward of one MoE layer (cfg may name any schedule and balancer;
+    `balancer`, a Balancer instance, replaces the configured one)."""
     d = state.layout.coords(state.rank)["dp"]
     layer = MoELayer(cfg, state, layer_index=0)
+    if balancer is not None:
+        layer.balancer = balancer
     load_full_weights_(layer, full, state)
     x = xs[d].clone().requires_grad_(True)
     y, aux = layer(x)

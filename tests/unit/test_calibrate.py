@@ -5,7 +5,8 @@ import pytest
 from megatron_moe.perf.calibrate import fit_profile, geometric_sizes
 from megatron_moe.perf.hardware import OPS, load_profile, save_profile
 
-TRUE = {"mp_allgather": (5e-3, 1.2e-8), "ep_esp_alltoall": (3.7e-3, 6.3e-9), "saa": (7.5e-3, 6.6e-8)}
+TRUE = {"mp_allgather": (5e-3, 1.2e-8), "ep_esp_alltoall": (3.7e-3, 6.3e-9), "saa": (7.5e-3, 6.6e-8),
+        "p2p": (2e-4, 3e-9), "broadcast": (4e-4, 5e-9), "expert_compute": (1e-4, 2e-9)}
 
 
 def _synthetic(noise: float):
@@ -32,6 +33,9 @@ def test_fit_recovers_known_costs(tmp_path):
     # the measured points travel with the profile and survive the YAML round trip
     save_profile(noisy, str(tmp_path / "p.yaml"))
     loaded = load_profile(str(tmp_path / "p.yaml"))
-    assert loaded.saa == noisy.saa and loaded.fit["points"]["saa"]["elements"][-1] == 1 << 20
-    with pytest.raises(ValueError, match="no timings"):
-        fit_profile("partial", {"saa": _synthetic(0.0)["saa"]}, {})
+    assert loaded == noisy and loaded.fit["points"]["saa"]["x"][-1] == 1 << 20
+    # an op measured on a group of one rank has no points and costs nothing; unknown ops are refused
+    single = fit_profile("one rank", {"mp_allgather": ([], []), "saa": _synthetic(0.0)["saa"]}, {})
+    assert (single.mp_allgather.alpha, single.mp_allgather.beta) == (0.0, 0.0) and single.p2p is None
+    with pytest.raises(ValueError, match="unknown ops"):
+        fit_profile("bad", {"nccl_magic": ([1, 2], [1.0, 2.0])}, {})

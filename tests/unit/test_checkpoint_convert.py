@@ -93,3 +93,43 @@ def test_reshard_and_consolidate(mixtral_ckpt, tmp_path):
         assert torch.equal(f.get_tensor("optim/layers.1.ffn.experts.w2/exp_avg_sq"),
                            full["optim/layers.1.ffn.experts.w2/exp_avg_sq"])
         assert json.loads(f.metadata()["meta"])["iteration"] == 2
+
+
+def _interleave(new: torch.Tensor, k: int) -> torch.Tensor:
+    """The halves layout's dims (k: 2, k + 1: f) back to the old interleaved 2f (gate/up per unit)."""
+    return new.transpose(k, k + 1).flatten(k, k + 1).contiguous()
+
+
+def test_upgrade_swiglu_converts_interleaved_checkpoints(tmp_path):
+    """Checkpoints written before the SwiGLU halves layout (issue #16) are refused with the fix in
+    one line, and `upgrade-swiglu` turns them into the same model and optimizer state."""
+    from megatron_moe.training.checkpoint import read_meta, write_checkpoint_dir
+    from megatron_moe.training.checkpoint_io import CheckpointError, full_entry
+
+    # dense SwiGLU fc1 (layer 0) and expert w1 / b1 (layer 1), with biases and AdamW moments
+    cfg = mixtral_config(tmp_path, SHORT + ["moe.layer_freq=2", "model.bias=true"])
+    Trainer(cfg, ParallelState.single_process(), datasets=synthetic_datasets).train()
+    path, meta, tensors = offline.read_checkpoint(str(tmp_path / "ckpt"))
+    old = {}
+    for key, t in tensors.items():
+        k = {"layers.0.ffn.fc1.weight": 0, "layers.0.ffn.fc1.bias": 0, "layers.1.ffn.experts.w1": 2,
+             "layers.1.ffn.experts.b1": 1}.get(offline._param_of(key)) if not key.endswith("/step") else None
+        old[key] = _interleave(t, k) if k is not None else t
+    assert sum(not torch.equal(old[k], tensors[k]) for k in old if k.startswith("model/")) == 4
+    old_dir = write_checkpoint_dir(str(tmp_path / "old"), meta["iteration"],
+                                   {k: full_entry(v) for k, v in old.items() if not k.startswith("rng/")},
+                                   meta, (Path(path) / "config.yaml").read_text(), None)
+    with pytest.raises(CheckpointError, match="old interleaved layout; convert it: python tools/convert_checkpoint.py "
+                                              "upgrade-swiglu"):
+        load_model(old_dir)
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "upgrade-swiglu", "--input", old_dir,
+                           "--output", str(tmp_path / "new")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    upgraded, upgraded_meta, new = offline.read_checkpoint(str(tmp_path / "new"))
+    assert upgraded_meta["iteration"] == meta["iteration"]
+    assert {k for k in new} == {k for k in tensors if not k.startswith("rng/")}
+    assert all(torch.equal(new[k], tensors[k]) for k in new), "weights and AdamW moments restored exactly"
+    with torch.no_grad():
+        assert torch.equal(load_model(upgraded)(TOKENS[:, :8]), load_model(path)(TOKENS[:, :8]))
+    with pytest.raises(ValueError, match="nothing to upgrade"):
+        offline.upgrade_swiglu(upgraded, str(tmp_path / "again"))

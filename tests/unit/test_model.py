@@ -70,10 +70,13 @@ def _reference_logits(model, cfg, tokens):
         scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, float("-inf"))
         context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + linear(context, pre + "attention.proj")
-        u = linear(norm(x, pre + "ffn_norm"), pre + "ffn.fc1")
-        if m.activation == "swiglu":
-            u = u[..., 0::2] * torch.sigmoid(u[..., 0::2]) * u[..., 1::2]
+        h = norm(x, pre + "ffn_norm")
+        if m.activation == "swiglu":  # fc1 weight [2, f, h] / bias [2, f]: (gate, up)
+            gate, up = (h @ P[pre + "ffn.fc1.weight"][j].T + (P[pre + "ffn.fc1.bias"][j] if m.bias else 0)
+                        for j in range(2))
+            u = gate * torch.sigmoid(gate) * up
         else:
+            u = linear(h, pre + "ffn.fc1")
             u = 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
         x = x + linear(u, pre + "ffn.fc2")
     out = P["embedding.word.weight"] if m.tie_embeddings else P["output.weight"]

@@ -44,3 +44,33 @@ def test_load_imbalance():
     stats = MoEStats(torch.tensor([4, 4]), 0, torch.tensor([6, 2]))
     assert stats.load_imbalance == 1.5
     assert MoEStats(torch.zeros(2, dtype=torch.long), 0, torch.zeros(2, dtype=torch.long)).load_imbalance == 1.0
+
+
+_FOREIGN_EXPERT = """
+import torch
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.moe.experts import ExpertBatch, Experts
+cfg = Config()
+cfg.moe.num_experts = 4
+state = ParallelState.build(RankLayout(world_size=2, expert=2), rank=0)  # owns experts 0 and 1
+experts = Experts(cfg, state)
+x = torch.randn(3, cfg.model.hidden_size)
+try:
+    experts(ExpertBatch(x, [0, 1, 2], [1, 1, 1]))  # expert 2: owned by EP rank 1, no replica received
+except LookupError as exc:
+    print("raised:", exc)
+"""
+
+
+def test_an_expert_without_weights_raises_even_under_python_O():
+    """Review #15 item 2: an assert guarded this; `python -O` dropped it and the rank silently used
+    another expert's weights. Now the lookup raises whatever the interpreter flags."""
+    import subprocess
+    import sys
+
+    for flags in ([], ["-O"]):
+        proc = subprocess.run([sys.executable, *flags, "-c", _FOREIGN_EXPERT], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "raised: EP rank 0 was asked to compute expert(s) [2]" in proc.stdout, (flags, proc.stdout)

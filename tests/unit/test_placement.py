@@ -44,15 +44,27 @@ def test_replica_splits_an_experts_rows_in_replica_order():
     table[0, 0] = torch.tensor([2, 1])  # source 0: first 2 rows of expert 0 to the owner, the third to rank 1
     table[1, 0] = torch.tensor([0, 1])
     p = Placement(((0, 1), (0,), (1,), (1,)), table)
-    assert p.experts_on(1) == [0, 2, 3] and p.expert_counts(1) == [2, 2, 2] and p.expert_counts(0) == [2, 3]
+    # owned experts first (weights at hand), then the replica (weights moved in by Trans)
+    assert p.experts_on(1) == [2, 3, 0] and p.replicas_on(1) == [0] and p.replicas_on(0) == []
+    assert p.expert_counts(1) == [2, 2, 2] and p.expert_counts(0) == [2, 3] and p.num_replicas == 1
     batches = _exchange(p, COUNTS)
     assert batches[0] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 1, 0), (1, 1, 1)]
-    assert batches[1] == [(0, 0, 2), (1, 0, 0), (1, 2, 0), (1, 2, 1), (0, 3, 0), (0, 3, 1)]
+    assert batches[1] == [(1, 2, 0), (1, 2, 1), (0, 3, 0), (0, 3, 1), (0, 0, 2), (1, 0, 0)]
     assert p.tokens_per_ep_rank().tolist() == [5, 6]
 
 
-def test_table_may_only_use_replicas():
+def test_owned_experts_are_listed_even_without_rows():
+    counts = torch.tensor([[0, 0, 1, 0]])
+    p = Placement.owner_only(counts, ep_size=2)
+    assert p.experts_on(0) == [0, 1] and p.expert_counts(0) == [0, 0] and p.receive_order(0).numel() == 0
+
+
+def test_invalid_placements_raise_even_under_python_O():
     table = Placement.owner_only(COUNTS, ep_size=2).routing_table.clone()
     table[0, 0] = torch.tensor([2, 1])
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="no replica"):
         Placement(((0,), (0,), (1,), (1,)), table)
+    with pytest.raises(ValueError, match="owner first"):
+        Placement(((1, 0), (0,), (1,), (1,)), table)
+    with pytest.raises(ValueError, match="does not match"):
+        Placement(((0,), (0,), (1,)), table)

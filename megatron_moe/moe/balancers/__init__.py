@@ -4,3 +4,4 @@ from megatron_moe.registry import Registry
 BALANCERS = Registry("moe.balancer")
 
 from megatron_moe.moe.balancers import base  # noqa: E402,F401  (registers "none")
+from megatron_moe.moe.balancers import fastermoe  # noqa: E402,F401  (registers "fastermoe")

@@ -78,11 +78,13 @@ class Schedule(ABC):
     def stats(self, routed: Routed, placement: Placement) -> MoEStats:
         """This forward's statistics (`MoELayer.last_stats`)."""
         routing = routed.routing
-        return MoEStats(routing.tokens_per_expert, routing.dropped, placement.tokens_per_ep_rank(), self.cfg.moe.schedule)
+        return MoEStats(routing.tokens_per_expert, routing.dropped, placement.tokens_per_ep_rank(), self.cfg.moe.schedule,
+                        placement.num_replicas)
 
     def run(self, routed: Routed, placement: Placement, experts: Experts) -> torch.Tensor:
+        replicas = experts.fetch_replicas(placement, self.state)  # Trans in flight during the dispatch
         batch, ctx = self.dispatch(routed, placement)
-        return self.combine(experts(batch, grad_scale=self.expert_grad_scale), ctx)
+        return self.combine(experts(batch, replicas, grad_scale=self.expert_grad_scale), ctx)
 
 
 def slots_by_expert(ids: torch.Tensor) -> torch.Tensor:

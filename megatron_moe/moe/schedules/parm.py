@@ -73,7 +73,7 @@ from megatron_moe.moe.router import Router, Routing, capacity_keep, expert_capac
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
-from megatron_moe.perf.hardware import load_profile
+from megatron_moe.perf.hardware import PARM_OPS, load_profile
 from megatron_moe.perf.parm_model import choose_schedule, dispatched_assignments
 from megatron_moe.tensor_parallel import copy_to_tp_region, reduce_from_tp_region
 
@@ -296,7 +296,8 @@ class ParmSchedule(Schedule):
         return y  # [n, h]
 
     def stats(self, routed: ParmRouted, placement: Placement) -> MoEStats:
-        return MoEStats(routed.routing.tokens_per_expert, routed.dropped, placement.tokens_per_ep_rank(), routed.choice)
+        return MoEStats(routed.routing.tokens_per_expert, routed.dropped, placement.tokens_per_ep_rank(), routed.choice,
+                        placement.num_replicas)
 
 
 def _expert_chunks(kept_ids: torch.Tensor, num_experts: int, parts: int) -> torch.Tensor:
@@ -346,7 +347,7 @@ class Auto(ParmSchedule):
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
-        self.profile = load_profile(cfg.perf.hardware_profile)
+        self.profile = load_profile(cfg.perf.hardware_profile).require(PARM_OPS, "moe.schedule=auto")
         # a TP group spanning several ep_esp groups must max-reduce the estimates (validate.py
         # refuses layouts where neither of tensor and expert * expert_shard divides the other)
         self.reduce_over_tp = state.tp_size > state.ep_esp.size

@@ -1,0 +1,85 @@
+"""FasterMoE's dynamic shadowing (He et al., PPoPP'22, §4.1, Alg. 1; `moe.balancer: fastermoe`).
+
+Per layer and forward, on the counts every rank already has (no extra communication):
+
+    B_w  = rows EP rank w computes under the current shadow set (owners only at first)
+    c_min = Lat_imbl(B_max)                                         Eq. 7
+    for each expert e by descending popularity (total rows):         Alg. 1 lines 5-17
+        shadow e: its owner keeps only its own sources' rows of e,  lines 6-9
+                  every other EP rank computes its sources' rows of e itself
+        c = Lat_shadow(|E_s| + 1, B'_max)                            Eq. 8
+        if c < c_min: accept (c_min = c)  else: stop
+
+The paper's Alg. 1 walks workers ("B_i, i in DescendingSort(B)") with one expert per worker;
+with several experts per EP rank we walk experts by their total rows, as FastMoE's released
+policy does. `moe.fastermoe.min_shadow: k` shadows at least the k most popular experts whatever
+the model says (experiments, tests). A shadowed expert is replicated on every EP rank of its
+group (its weights are broadcast, `moe/replicas.py`) and each source computes its own rows of it
+locally (`Placement.shadowed`), so the math is unchanged.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from megatron_moe.config.validate import expert_ffn_hidden_size
+from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.moe.balancers.base import Balancer
+from megatron_moe.moe.placement import Placement
+from megatron_moe.perf.fastermoe_model import ShadowCostModel
+from megatron_moe.perf.hardware import load_profile
+
+
+def rows_per_rank(counts: torch.Tensor, source_ep_ranks: Sequence[int], ep_size: int) -> torch.Tensor:
+    """counts Long[S, E] -> T Long[ep, E]: rows each EP rank's sources route to each expert."""
+    ranks = torch.as_tensor(list(source_ep_ranks), dtype=torch.long)
+    return torch.zeros(ep_size, counts.shape[1], dtype=torch.long).index_add_(0, ranks, counts.long())
+
+
+def shadow_loads(T: torch.Tensor, shadowed: Sequence[int]) -> torch.Tensor:
+    """Long[ep]: rows each EP rank computes when `shadowed` experts are computed where their rows
+    come from (T [ep, E] from `rows_per_rank`) and the others by their owners (Alg. 1 lines 6-9)."""
+    ep_size, num_experts = T.shape
+    owners = torch.arange(num_experts) // (num_experts // ep_size)
+    local = torch.zeros(num_experts, dtype=torch.bool)
+    local[list(shadowed)] = True
+    load = T[:, local].sum(1)  # shadowed: computed at the source's rank
+    return load.index_add_(0, owners[~local], T[:, ~local].sum(0))
+
+
+def select_shadow_experts(T: torch.Tensor, cost: ShadowCostModel, min_shadow: int = 0) -> List[int]:
+    """Alg. 1 on T [ep, E] (rows from each EP rank to each expert): the experts to shadow."""
+    load = shadow_loads(T, [])
+    c_min = cost.lat_imbl(float(load.max()))
+    shadowed: List[int] = []
+    for e in torch.argsort(T.sum(0), descending=True, stable=True).tolist():
+        candidate = shadowed + [e]
+        c = cost.lat_shadow(len(candidate), float(shadow_loads(T, candidate).max()))
+        if c < c_min or len(candidate) <= min_shadow:
+            shadowed, c_min = candidate, c
+        else:
+            break
+    return sorted(shadowed)
+
+
+@BALANCERS.register("fastermoe")
+class FasterMoE(Balancer):
+    """Dynamic shadowing: Alg. 1 per forward with Eq. 7-8 fed by the hardware profile."""
+
+    def __init__(self, cfg, state):
+        super().__init__(cfg, state)
+        m = cfg.model
+        ffn = expert_ffn_hidden_size(cfg) // state.esp_size
+        width = 2 * ffn if m.activation == "swiglu" else ffn
+        params = m.hidden_size * (width + ffn) + ((width + m.hidden_size // state.esp_size) if m.bias else 0)
+        self.cost = ShadowCostModel.from_profile(load_profile(cfg.perf.hardware_profile),
+                                                 flops_per_row=2.0 * m.hidden_size * (width + ffn),
+                                                 params_per_expert=float(params), hidden=m.hidden_size,
+                                                 token_term=cfg.moe.fastermoe.token_term)
+        self.min_shadow = cfg.moe.fastermoe.min_shadow
+
+    def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
+        T = rows_per_rank(counts, source_ep_ranks, self.ep_size)
+        shadowed = select_shadow_experts(T, self.cost, self.min_shadow) if self.ep_size > 1 else []
+        return Placement.shadowed(counts, self.ep_size, shadowed, source_ep_ranks)

@@ -1,0 +1,133 @@
+"""Per-iteration replicas (moe/replicas.py: Trans / Agg) under every schedule == the single-process
+reference, and their bytes equal the formula.
+
+Two fixed policies: `ShadowFixed` shadows experts 0 and E-1 (FasterMoE's placement,
+`Placement.shadowed`: every EP rank holds a replica, each source computes its own rows of them
+locally; Trans by broadcast, Agg by reduce); `ReplicateOne` gives expert 0 one replica on the last
+EP rank and splits every source's rows of it between owner and replica (Pro-Prophet-style; point
+to point). Each layout runs every schedule on the dropless and capacity cases of `moe_cases`;
+outputs, aux loss, input and all parameter gradients must equal the reference, and the Trans /
+Agg bytes of each rank must be
+  trans: sum over replicated experts it owns of (replicas) x shard parameters x 4 bytes
+  agg:   (replicas it holds) x shard parameters x 4 bytes
+"""
+from dataclasses import replace
+
+import pytest
+
+from megatron_moe.distributed import collectives as C
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.moe.balancers.base import Balancer
+from megatron_moe.moe.placement import Placement
+from megatron_moe.perf.alpha_beta import AlphaBeta
+from megatron_moe.perf.hardware import load_profile, save_profile
+from tests.distributed.harness import run_distributed
+from tests.distributed.moe_cases import CASES, E, FFN, H, case_data, check_against_reference, run_layer
+from tests.distributed.test_moe_parm import TESTBED_B
+
+SHADOWED = (0, E - 1)
+RUNS = [  # (schedule, saa, case): dropless and capacity with drops; gelu + bias and swiglu
+    ("baseline", False, 0), ("baseline", False, 1),
+    ("s1", False, 2), ("s2", False, 0), ("s2", True, 1), ("auto", True, 3),
+]
+LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (8, dict(tensor=2, expert=2, expert_shard=2))]
+
+
+class ShadowFixed(Balancer):
+    """Test policy: shadow `SHADOWED` in every forward."""
+
+    def plan(self, counts, source_ep_ranks):
+        return Placement.shadowed(counts, self.ep_size, SHADOWED, source_ep_ranks)
+
+
+class ReplicateOne(Balancer):
+    """Test policy: expert 0 also on the last EP rank; every source sends it the second half of its rows."""
+
+    def plan(self, counts, source_ep_ranks):
+        owner_only = Placement.owner_only(counts, self.ep_size)
+        table, last = owner_only.routing_table.clone(), self.ep_size - 1
+        table[:, 0, last] = counts[:, 0] - counts[:, 0] // 2
+        table[:, 0, 0] = counts[:, 0] // 2
+        return Placement(((0, last),) + owner_only.replicas[1:], table)
+
+
+POLICIES = {"shadow": (ShadowFixed, {e: "all" for e in SHADOWED}), "one": (ReplicateOne, {0: "last"}),
+            "fastermoe": (None, None)}  # moe.balancer=fastermoe, min_shadow 1: the most popular expert
+
+
+def _fastermoe_profile(path: str) -> str:
+    """Testbed B's Parm costs (for auto) and a broadcast so slow that Alg. 1 shadows only what
+    min_shadow forces."""
+    save_profile(replace(load_profile(TESTBED_B), p2p=AlphaBeta(0, 1e-9), broadcast=AlphaBeta(0, 1.0),
+                         expert_compute=AlphaBeta(0, 1e-12)), path)
+    return path
+
+
+def _run(state, jobs, profile):
+    out = []
+    for layout_kwargs in jobs:
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout_kwargs), state.rank)
+        results = []
+        for policy, (schedule, saa, index) in [(p, run) for p in POLICIES for run in RUNS]:
+            cfg, full, xs, gs = case_data(index, sub.dp_size)
+            cfg.moe.schedule, cfg.moe.saa, cfg.perf.hardware_profile = schedule, saa, TESTBED_B
+            balancer = POLICIES[policy][0]
+            if balancer is None:
+                cfg.moe.balancer, cfg.moe.fastermoe.min_shadow, cfg.perf.hardware_profile = "fastermoe", 1, profile
+            C.COMM_STATS.reset()
+            result = run_layer(sub, cfg, full, xs, gs, balancer=balancer(cfg, sub) if balancer else None)
+            results.append((result, C.COMM_STATS.snapshot()))
+        out.append(results)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    cache = {}
+    profile = _fastermoe_profile(str(tmp_path_factory.mktemp("profile") / "fastermoe.yaml"))
+
+    def get(world):
+        if world not in cache:
+            jobs = [kw for w, kw in LAYOUTS if w == world]
+            outputs = run_distributed(world, _run, jobs[0], args=(jobs, profile), timeout=600)
+            cache[world] = {str(kw): [out[i] for out in outputs] for i, kw in enumerate(jobs)}
+        return cache[world]
+
+    return get
+
+
+def _shard_params(index: int, layout: RankLayout) -> int:
+    """Elements of one expert's parameters on one ESP shard: w1 [h, (2,) f'], w2 [f', h],
+    b1 [(2,) f'] and b2 [h / esp] with biases; f' = FFN / esp."""
+    _, _, activation, bias = CASES[index]
+    units = FFN // layout.expert_shard
+    gates = 2 if activation == "swiglu" else 1
+    return H * gates * units + units * H + (gates * units + H // layout.expert_shard if bias else 0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
+def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, spawned):
+    layout = RankLayout(world_size=world, **layout_kwargs)
+    outputs = spawned(world)[str(layout_kwargs)]
+    for i, (policy, (schedule, saa, index)) in enumerate([(p, run) for p in POLICIES for run in RUNS]):
+        label = f"{policy} {schedule} saa={saa}"
+        check_against_reference([out[i][0] for out in outputs], index, layout, label)
+        elements, replicated = _shard_params(index, layout), POLICIES[policy][1]
+        if replicated is None:  # fastermoe: exactly one shadow per forward, whichever expert is most popular
+            for group in layout.groups("ep"):
+                stats = [outputs[r][i][0]["stats"] for r in group]
+                assert all(s.replicas == layout.expert - 1 for s in stats), label
+                assert sum(outputs[r][i][1].get("trans/ep", 0) for r in group) == (layout.expert - 1) * elements * 4
+                assert sum(outputs[r][i][1].get("agg/ep", 0) for r in group) == (layout.expert - 1) * elements * 4
+            continue
+        holders = {e: range(layout.expert) if where == "all" else [layout.expert - 1] for e, where in replicated.items()}
+        for rank, out in enumerate(outputs):
+            ep_rank, nbytes = layout.coords(rank)["ep"], out[i][1]
+            owner = {e: e // (E // layout.expert) for e in replicated}
+            sent = sum(len([q for q in holders[e] if q != owner[e]]) for e in replicated if owner[e] == ep_rank)
+            held = sum(1 for e in replicated if ep_rank in holders[e] and owner[e] != ep_rank)
+            assert nbytes.get("trans/ep", 0) == sent * elements * 4, (label, rank, nbytes)
+            assert nbytes.get("agg/ep", 0) == held * elements * 4, (label, rank, nbytes)
+            assert out[i][0]["stats"].replicas == sum(len([q for q in holders[e] if q != owner[e]])
+                                                      for e in replicated), label
