@@ -4,6 +4,8 @@
 * layout invariance: the same seed and batch sizes give the same per-iteration loss, aux loss and
   grad norm on 1 process and on the layouts of issue 2 (read from metrics.jsonl);
 * the tiny demo config learns: loss falls, eval perplexity and TensorBoard files are written.
+* bf16 follows fp32's loss curve, iteration by iteration, within a bf16 bound that a run learning
+  a step (or a 10 % lr) apart fails.
 """
 import json
 import math
@@ -110,6 +112,25 @@ def test_demo_loss_falls_with_eval_and_tensorboard(tmp_path):
     assert "num_experts: 8" in (tmp_path / "config.yaml").read_text()
 
 
-def test_bf16_tracks_fp32(reference, tmp_path):
-    records, _ = train(1, INVARIANCE + ["training.train_iters=2", "training.precision=bf16"], tmp_path)
-    assert records[0]["loss"] == pytest.approx(reference[0]["loss"], rel=2e-2)
+# bf16 (autocast; loss, optimizer and master weights fp32) against fp32 from the same seed, same data.
+# Bound on |bf16 - fp32| / fp32 at every iteration: bf16 keeps 8 significant bits, a relative rounding
+# of 2^-8 ~ 3.9e-3 per op; the loss is reduced in fp32 over 256 tokens, so the errors partly average.
+# Measured over these 15 iterations: max 1.04e-3 (seed 1234), 2.6e-4, 3.9e-4, 3.8e-4 (seeds 1, 2, 3);
+# the bound is ~3x the worst. A bf16 run with a 10 % lower lr is off by 7.5e-3 and fails it.
+BF16_BOUND = 3e-3
+
+
+def test_bf16_tracks_fp32(tmp_path):
+    overrides = INVARIANCE + ["training.train_iters=15"]
+    fp32, bf16 = ([r["loss"] for r in train(1, overrides + [f"training.precision={p}"], tmp_path / p)[0]]
+                  for p in ("fp32", "bf16"))
+    assert len(fp32) == len(bf16) == 15
+    # both curves fall (mean of the last 5 iterations vs the first 3: 0.56 to 0.66 measured), so
+    # agreeing means more than both sitting at ln V
+    for curve in (fp32, bf16):
+        assert sum(curve[-5:]) / 5 < sum(curve[:3]) / 3 - 0.3, curve
+    gaps = [abs(b - f) / f for f, b in zip(fp32, bf16)]
+    assert 0 < max(gaps) < BF16_BOUND, (fp32, bf16)  # 0: autocast was off, the run was fp32
+    # the bound tells runs apart: fp32's curve one iteration ahead (a run learning a step faster or
+    # slower) is off by 1.9e-2 to 2.8e-2 (measured), far outside it
+    assert max(abs(ahead - f) / f for f, ahead in zip(fp32, fp32[1:])) > 2 * BF16_BOUND, fp32

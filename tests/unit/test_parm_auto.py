@@ -1,5 +1,6 @@
-"""Parm's automatic choice (Alg. 1, Eq. 12-14), alpha-beta fits, hardware profiles, config rules,
-and S1/S2/SAA/auto on one process against the reference."""
+"""Parm's automatic choice (Alg. 1, Eq. 12-14; worked examples computed by hand, the readings of
+Alg. 1 line 5 counted in docs/parm.md), alpha-beta fits, hardware profiles, config rules, and
+S1/S2/SAA/auto on one process against the reference."""
 import itertools
 from pathlib import Path
 
@@ -13,12 +14,11 @@ from megatron_moe.perf.hardware import HardwareProfile, load_profile, save_profi
 from megatron_moe.perf.parm_model import (capacity_assignments, choose_schedule, dispatched_assignments,
                                           schedule_times)
 from tests.distributed.moe_cases import CASES, case_data, check_against_reference, run_layer
+# GRID: Parm Table III (P only sizes the groups the profile was measured on; E cancels in E T = k f B L)
+from tools.parm_alg1_readings import (TABLE3_GRID as GRID, TESTBEDS, count_s2_per_profile, markdown_table,
+                                      t_d2_saa)
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTBEDS = [ROOT / "configs/hardware/parm_testbed_a.yaml", ROOT / "configs/hardware/parm_testbed_b.yaml"]
-# Parm Table III (P only sizes the groups the profile was measured on; E cancels in E T = k f B L)
-GRID = dict(n_mp=(1, 2, 4), n_esp=(1, 2, 4), batch=(2, 4, 8), seq=(512, 1024, 2048),
-            hidden=(1024, 2048, 4096), f=(1.2, 2.4), k=(1, 2))
 
 
 def _closed_form(p: HardwareProfile, n_mp, n_esp, batch, seq, hidden, f, k, saa):
@@ -49,6 +49,91 @@ def test_alg1_matches_closed_form_on_table3_grid(path, saa):
     # §IV-B: with N_ESP = 1, S2 wins as T -> 0 and S1 as T -> infinity
     assert choose_schedule(profile, 4096, 1024, 1, n_mp=2, n_esp=1, saa=saa) == "s2"
     assert choose_schedule(profile, 4096, 1024, 1e9, n_mp=2, n_esp=1, saa=saa) == "s1"
+
+
+# Alg. 1 worked by hand (not by the code's own formula): the profiles' numbers put into Alg. 1
+# lines 1-5 / Eq. 12-14, every product written out. Units: elements, seconds. Profiles:
+#   testbed A: AG_MP alpha 6.64e-4 beta 5.38e-10, A2A alpha 6.64e-4 beta 5.38e-10, Overlap alpha 1.3137e-3 beta 1.0644e-9
+#   testbed B: AG_MP alpha 1.09e-4 beta 7.14e-10, A2A alpha 1.09e-4 beta 1.12e-9,  Overlap alpha 2.1559e-4 beta 1.8137e-9
+# Line 2 without its typo M: E T = k f B L. Line 3: y = E T M N_ESP; the all-to-all's input x = y / N_MP.
+WORKED = {
+    # 1. testbed A, N_MP 2, N_ESP 2, B 4, L 512, M 1024, k 2, f 1.2, SAA
+    #    B L = 2048, B L M = 2 097 152; E T = 2 * 1.2 * 2048 = 4915.2; E T M = 5 033 164.8
+    #    y = 5 033 164.8 * 2 = 10 066 329.6; x = y / 2 = 5 033 164.8
+    #    A2A(x)   = 6.64e-4 + 5.38e-10 * 5 033 164.8  = 6.64e-4 + 2.7078426624e-3 = 3.3718426624e-3
+    #    AG(BLM)  = 6.64e-4 + 5.38e-10 * 2 097 152    = 6.64e-4 + 1.128267776e-3  = 1.792267776e-3
+    #    t_D1     = 2 * 3.3718426624e-3 + 1.792267776e-3                         = 8.5359531008e-3
+    #    Overlap(x) = 1.3137e-3 + 1.0644e-9 * 5 033 164.8 = 1.3137e-3 + 5.35730061312e-3 = 6.67100061312e-3
+    #    t_D2     = 3.3718426624e-3 + 6.67100061312e-3                            = 1.004284327552e-2
+    #    t_D1 <= t_D2: S1 (k f N_ESP / N_MP = 2.4 >= 1)
+    "a_mp2_esp2_top2": ("a", dict(n_mp=2, n_esp=2, batch=4, seq=512, hidden=1024, k=2, f=1.2), True,
+                        (8.5359531008e-3, 1.004284327552e-2), "s1"),
+    # 2. testbed A, N_MP 2, N_ESP 1, B 4, L 512, M 1024, k 1, f 1.2, SAA
+    #    B L M = 2 097 152; E T = 1 * 1.2 * 2048 = 2457.6; E T M = 2 516 582.4; y = 2 516 582.4; x = 1 258 291.2
+    #    A2A(x)   = 6.64e-4 + 5.38e-10 * 1 258 291.2  = 6.64e-4 + 6.769606656e-4  = 1.3409606656e-3
+    #    t_D1     = 2 * 1.3409606656e-3 + 1.792267776e-3                         = 4.4741891072e-3
+    #    Overlap(x) = 1.3137e-3 + 1.0644e-9 * 1 258 291.2 = 1.3137e-3 + 1.33932515328e-3 = 2.65302515328e-3
+    #    t_D2     = 1.3409606656e-3 + 2.65302515328e-3                            = 3.99398581888e-3
+    #    t_D1 > t_D2: S2 (top-1 without ESP: k f N_ESP / N_MP = 0.6 < 1)
+    "a_mp2_esp1_top1": ("a", dict(n_mp=2, n_esp=1, batch=4, seq=512, hidden=1024, k=1, f=1.2), True,
+                        (4.4741891072e-3, 3.99398581888e-3), "s2"),
+    # 3. testbed B, N_MP 4, N_ESP 2, B 2, L 1024, M 2048, k 1, f 1.2, SAA
+    #    B L = 2048, B L M = 4 194 304; E T = 2457.6; E T M = 5 033 164.8; y = 10 066 329.6; x = 2 516 582.4
+    #    A2A(x)   = 1.09e-4 + 1.12e-9 * 2 516 582.4   = 1.09e-4 + 2.818572288e-3  = 2.927572288e-3
+    #    AG(BLM)  = 1.09e-4 + 7.14e-10 * 4 194 304    = 1.09e-4 + 2.994733056e-3  = 3.103733056e-3
+    #    t_D1     = 2 * 2.927572288e-3 + 3.103733056e-3                          = 8.958877632e-3
+    #    Overlap(x) = 2.1559e-4 + 1.8137e-9 * 2 516 582.4 = 2.1559e-4 + 4.56432549888e-3 = 4.77991549888e-3
+    #    t_D2     = 2.927572288e-3 + 4.77991549888e-3                             = 7.70748778688e-3
+    #    t_D1 > t_D2: S2 (k f N_ESP / N_MP = 0.6)
+    "b_mp4_esp2_top1": ("b", dict(n_mp=4, n_esp=2, batch=2, seq=1024, hidden=2048, k=1, f=1.2), True,
+                        (8.958877632e-3, 7.70748778688e-3), "s2"),
+    # 4. case 3 with AAS (moe.saa false): t_D2 = 2 A2A(x) + AG_MP(E T M) (Eq. 7's right-hand side)
+    #    AG(ETM)  = 1.09e-4 + 7.14e-10 * 5 033 164.8  = 1.09e-4 + 3.5936796672e-3 = 3.7026796672e-3
+    #    t_D2     = 2 * 2.927572288e-3 + 3.7026796672e-3                         = 9.5578242432e-3
+    #    t_D1 = 8.958877632e-3 <= t_D2: S1 (AAS: S2 only when E T < B L; here 2457.6 > 2048)
+    "b_mp4_esp2_top1_aas": ("b", dict(n_mp=4, n_esp=2, batch=2, seq=1024, hidden=2048, k=1, f=1.2), False,
+                            (8.958877632e-3, 9.5578242432e-3), "s1"),
+    # 5. case 4 with capacity factor 0.8 (drops): E T = 0.8 * 2048 = 1638.4 < B L; E T M = 3 355 443.2;
+    #    x = 3 355 443.2 * 2 / 4 = 1 677 721.6
+    #    A2A(x)   = 1.09e-4 + 1.12e-9 * 1 677 721.6   = 1.09e-4 + 1.879048192e-3  = 1.988048192e-3
+    #    t_D1     = 2 * 1.988048192e-3 + 3.103733056e-3                          = 7.07982944e-3
+    #    AG(ETM)  = 1.09e-4 + 7.14e-10 * 3 355 443.2  = 1.09e-4 + 2.3957864448e-3 = 2.5047864448e-3
+    #    t_D2     = 2 * 1.988048192e-3 + 2.5047864448e-3                         = 6.4808828288e-3
+    #    t_D1 > t_D2: S2
+    "b_mp4_esp2_top1_aas_drops": ("b", dict(n_mp=4, n_esp=2, batch=2, seq=1024, hidden=2048, k=1, f=0.8), False,
+                                  (7.07982944e-3, 6.4808828288e-3), "s2"),
+}
+
+
+@pytest.mark.parametrize("case", list(WORKED))
+def test_alg1_worked_examples_by_hand(case):
+    testbed, c, saa, times, pick = WORKED[case]
+    profile = load_profile(str(TESTBEDS["ab".index(testbed)]))
+    tokens, assignments = c["batch"] * c["seq"], capacity_assignments(c["batch"] * c["seq"], c["k"], c["f"])
+    args = (profile, tokens, c["hidden"], assignments, c["n_mp"], c["n_esp"], saa)
+    assert schedule_times(*args) == pytest.approx(times, rel=1e-9)
+    assert choose_schedule(*args) == pick
+
+
+def test_alg1_readings_by_hand_and_their_counts_in_the_docs():
+    """tools/parm_alg1_readings.py: the three readings of Alg. 1 line 5 / Eq. 14 (S2 + SAA)."""
+    a = load_profile(str(TESTBEDS[0]))
+    # worked example 2 (testbed A, N_MP 2, N_ESP 1, k 1, f 1.2): y = 2 516 582.4, x = 1 258 291.2, t_D1 = 4.4741891072e-3
+    # R1 = A2A(x) + Overlap(x) = 3.99398581888e-3 (above): S2
+    # R2 = A2A(y / 2) + 1.3137e-3 + 1.0644e-9 * 2 516 582.4 = 1.3409606656e-3 + 1.3137e-3 + 2.67865030656e-3
+    #    = 5.33331097216e-3: S1
+    # R3 = R1 + AG(E T M) = 3.99398581888e-3 + 6.64e-4 + 5.38e-10 * 2 516 582.4
+    #    = 3.99398581888e-3 + 2.0179213312e-3 = 6.01190715008e-3: S1
+    args = (a, 2048, 1024, 2457.6, 2, 1)
+    assert [t_d2_saa(r, *args) for r in ("R1", "R2", "R3")] == pytest.approx(
+        [3.99398581888e-3, 5.33331097216e-3, 6.01190715008e-3], rel=1e-9)
+    results = count_s2_per_profile(TESTBEDS)
+    # the counts docs/parm.md reports ("Which reading of Alg. 1 the code follows"), out of 972 = 3^5 * 2^2
+    expected = {"R1": {"total": 135, "n_mp=1": 0, "n_mp=2": 27, "n_mp=4": 108},
+                "R2": {"total": 0, "n_mp=1": 0, "n_mp=2": 0, "n_mp=4": 0},
+                "R3": {"total": 0, "n_mp=1": 0, "n_mp=2": 0, "n_mp=4": 0}}
+    assert results == {"parm_testbed_a": expected, "parm_testbed_b": expected}
+    assert markdown_table(results) in (ROOT / "docs/parm.md").read_text()
 
 
 def test_online_assignments_follow_the_busiest_ep_rank():
