@@ -129,6 +129,7 @@ class PerfConfig:
     # hardware profile YAML (alpha-beta costs, configs/hardware/) for `moe.schedule: auto` and
     # `moe.balancer: fastermoe`; null = calibrate on the ranks at start-up (cached per machine and layout)
     hardware_profile: Optional[str] = None
+    calibration_cache: Optional[str] = None  # directory of calibrated profiles (null: <cache dir>/hardware)
 
 
 @dataclass

@@ -104,9 +104,17 @@ class Router(torch.nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.weight = make_param(ParamMeta("dense", (moe.num_experts, cfg.model.hidden_size),
                                            std=cfg.model.init_std, role="weight"), state)  # W_r [E, h], replicated
+        # measurement hook, no config key: a fixed fp32 [E] bias added to the logits so benchmarks can
+        # create skewed routing (benchmarks/moe_layer.py --skew); None in training
+        self.logit_bias: Optional[torch.Tensor] = None
+
+    def logits(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 logits [n, E] of tokens x [n, h] (with `weight`, e.g. S1's TP-mapped copy of W_r)."""
+        logits = router_logits(x, self.weight if weight is None else weight)
+        return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.device)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = router_logits(x, self.weight)  # [n, E] fp32
+        logits = self.logits(x)  # [n, E] fp32
         probs, expert_ids, weights = top_k_gating(logits, self.top_k)
         tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)  # [E]
         capacity = expert_capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)

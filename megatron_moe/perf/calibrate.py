@@ -45,8 +45,9 @@ from megatron_moe.perf.timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
 Points = Dict[str, Tuple[List[int], List[float]]]  # op -> (x, seconds); x = [] on a group of one rank
-STARTUP_SIZES = (1 << 12, 1 << 15, 1 << 18)  # elements per op at start-up: a few seconds in all
-STARTUP_ROWS = (64, 256, 1024)  # expert rows timed at start-up
+STARTUP_SIZES = (1 << 14, 1 << 17, 1 << 20)  # elements per op at start-up: a few seconds in all
+STARTUP_ROWS = (64, 512, 4096)  # expert rows timed at start-up
+STARTUP_REPS = 5
 
 
 @dataclass(frozen=True)
@@ -177,32 +178,36 @@ def expert_shape(cfg, state: ParallelState) -> ExpertShape:
                        cfg.model.activation == "swiglu")
 
 
-def cache_path(state: ParallelState, shape: ExpertShape, cache_dir: Optional[str] = None) -> str:
-    """Where the calibrated profile of this machine, layout and expert shape is cached."""
+def cache_path(state: ParallelState, shape: ExpertShape, directory: Optional[str] = None) -> str:
+    """Where the calibrated profile of this machine, layout and expert shape is cached
+    (`perf.calibration_cache`, default `<cache dir>/hardware`)."""
     from megatron_moe.data.cache import default_cache_dir, description_hash
 
     key = fit_description(state, "", 0, shape)
     key.pop("reps"), key.pop("tool")
-    return os.path.join(cache_dir or default_cache_dir(), "hardware", f"{platform.node()}-{description_hash(key)}.yaml")
+    directory = directory or os.path.join(default_cache_dir(), "hardware")
+    return os.path.join(directory, f"{platform.node()}-{description_hash(key)}.yaml")
 
 
 def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
-                             say: Callable[[str], None] = print):
+                             say: Callable[[str], None] = print, run_dir_copy: bool = True):
     """`cfg` unchanged if it names a profile or needs none; else `cfg` with `perf.hardware_profile`
-    set to a profile calibrated on these ranks (or cached). Collective when it calibrates."""
+    set to a profile calibrated on these ranks (or cached), copied into the run directory unless
+    `run_dir_copy` is false. Collective (over the world) when it calibrates."""
     from megatron_moe.config.validate import profile_needs
 
     needs = profile_needs(cfg)
     if cfg.perf.hardware_profile or not needs:
         return cfg
     shape = expert_shape(cfg, state)
-    path = cache_path(state, shape, cfg.data.cache_dir)
+    path = cache_path(state, shape, cfg.perf.calibration_cache)
     cached = load_profile(path) if state.rank == 0 and os.path.isfile(path) else None
     profile = C.broadcast_object(cached, 0, state.world)  # rank 0's cache decides, so all ranks agree
     if profile is None:
         start = time.perf_counter()
-        points = measure_points(state, STARTUP_SIZES, 3, device, shape)
-        profile = fit_profile(f"calibrated-{platform.node()}", points, fit_description(state, "start-up", 3, shape),
+        points = measure_points(state, STARTUP_SIZES, STARTUP_REPS, device, shape)
+        profile = fit_profile(f"calibrated-{platform.node()}", points,
+                              fit_description(state, "start-up", STARTUP_REPS, shape),
                               f"calibrated at start-up on {state.world_size} ranks")
         message = f"calibrated in {time.perf_counter() - start:.1f} s on {state.world_size} ranks"
     else:
@@ -211,7 +216,10 @@ def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
         profile.require(ops, who)
     save_profile(profile, path)
     if state.rank == 0:
-        save_profile(profile, os.path.join(cfg.training.run_dir, "hardware_profile.yaml"))
-        say(f"perf: hardware profile for {', '.join(who for _, who in needs)} {message}: {path} "
-            f"(copied to {cfg.training.run_dir}/hardware_profile.yaml; set perf.hardware_profile to use your own)")
+        copied = ""
+        if run_dir_copy:
+            save_profile(profile, os.path.join(cfg.training.run_dir, "hardware_profile.yaml"))
+            copied = f" (copied to {cfg.training.run_dir}/hardware_profile.yaml)"
+        say(f"perf: hardware profile for {', '.join(who for _, who in needs)} {message}: {path}{copied}; "
+            "set perf.hardware_profile to use your own")
     return replace(cfg, perf=replace(cfg.perf, hardware_profile=path))

@@ -76,3 +76,19 @@ def test_benchmark_rows_compute_the_same_layer_with_parms_volumes():
     # SAA belongs to S2: with S1 picked, only the pre-fix row phases its combine
     assert bool(rows["auto_saa"]["bytes"].get("all_to_all_p2p/ep_esp")) == (rows["auto_saa"]["picked"] == "s2")
     assert "all_to_all_p2p/ep_esp" in rows["auto_saa_s1_phased"]["bytes"]
+
+
+def test_benchmark_balancer_rows_fix_skew_exactly():
+    """--skew gives the balancer imbalance to fix (issue #9 item 6): the fastermoe row computes the
+    same output with a lower balance ratio, and its weight traffic is replicas x expert parameters."""
+    stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--rows", "baseline", "--balancer", "none,fastermoe",
+                      "--skew", "1.2", "--min-shadow", "1", "--reps", "1", "--warmup", "0", "--batch", "2",
+                      "--seq", "16", "--hidden", "32", "--ffn", "64")
+    rows = json.loads(stdout.strip().splitlines()[-1])["results"]
+    none, shadow = rows["baseline"], rows["baseline+fastermoe"]
+    assert none["balance_ratio"] > 1.5 and none["replicas"] == 0 and none["trans_bytes"] == 0  # skewed
+    assert shadow["balance_ratio"] < none["balance_ratio"] and shadow["replicas"] >= 1
+    assert shadow["max_abs_diff_vs_baseline"] < 1e-5
+    expert_params = 32 * 64 + 64 * 32 + 64 + 32  # w1, w2, b1, b2 of one expert (gelu, biases)
+    assert shadow["bytes_all_ranks"]["trans/ep"] == shadow["replicas"] * expert_params * 4
+    assert shadow["bytes_all_ranks"]["agg/ep"] == shadow["replicas"] * expert_params * 4

@@ -177,7 +177,8 @@ def test_profile_yaml_round_trip_and_errors(tmp_path):
     save_profile(profile, str(tmp_path / "p.yaml"))
     assert load_profile(str(tmp_path / "p.yaml")) == profile
     bad = tmp_path / "bad.yaml"
-    for text, message in [("mp_allgather: {alpha: 1, beta: 1}\n", "needs keys"),
+    for text, message in [("name: empty\n", "needs one or more of mp_allgather"),
+                          ("mp_allgather: {alpha: 1, beta: 1}\nnccl: {alpha: 1, beta: 1}\n", "unknown: \\['nccl'\\]"),
                           ("mp_allgather: {alpha: 1, beta: -1}\nep_esp_alltoall: {alpha: 1, beta: 1}\n"
                            "saa: {alpha: 1, beta: 1}\n", ">= 0"),
                           ("mp_allgather: {alpha: 1}\nep_esp_alltoall: {alpha: 1, beta: 1}\nsaa: {alpha: 1, beta: 1}\n",
@@ -189,6 +190,11 @@ def test_profile_yaml_round_trip_and_errors(tmp_path):
         assert "perf.hardware_profile" in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="no such file"):
         load_profile(str(tmp_path / "missing.yaml"))
+    # every op is optional in the file; what a technique needs is checked when it is configured
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("mp_allgather: {alpha: 1, beta: 1}\n")
+    with pytest.raises(ConfigError, match="moe.schedule=auto needs ep_esp_alltoall, saa in its hardware profile"):
+        load_profile(str(partial)).require(("mp_allgather", "ep_esp_alltoall", "saa"), "moe.schedule=auto")
 
 
 def test_shipped_profiles():
@@ -204,9 +210,11 @@ def test_config_rules(tmp_path):
     profile = str(TESTBEDS[0])
     validate_config(load_config(None, ["moe.schedule=auto", f"perf.hardware_profile={profile}", "moe.saa=true"]), 1)
     validate_config(load_config(None, ["moe.schedule=s2", "moe.saa=true"]), 1)
+    validate_config(load_config(None, ["moe.schedule=auto"]), 1)  # no profile: calibrated at start-up
     for overrides, message in [(["moe.schedule=baseline", "moe.saa=true"], "needs moe.schedule s2 or auto"),
                                (["moe.schedule=s1", "moe.saa=true"], "moe.saa"),
-                               (["moe.schedule=auto"], "moe.schedule=auto needs perf.hardware_profile"),
+                               (["moe.balancer=fastermoe", f"perf.hardware_profile={profile}"],
+                                "moe.balancer=fastermoe needs p2p, broadcast, expert_compute"),
                                (["moe.schedule=s1", f"perf.hardware_profile={tmp_path}/none.yaml"], "no such file")]:
         with pytest.raises(ConfigError, match=message):
             validate_config(load_config(None, overrides), 1)

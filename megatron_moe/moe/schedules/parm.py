@@ -69,7 +69,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.router import Router, Routing, capacity_keep, expert_capacity, router_logits, top_k_gating
+from megatron_moe.moe.router import Router, Routing, capacity_keep, expert_capacity, top_k_gating
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
@@ -126,7 +126,7 @@ def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) ->
     """S1 step 2: route this TP rank's `piece` [n_t, h] of a `num_tokens`-token micro-batch with
     the whole micro-batch's capacity positions and losses (router.py's math)."""
     num_experts, k = router.num_experts, router.top_k
-    logits = router_logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
+    logits = router.logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
     probs, expert_ids, weights = top_k_gating(logits, k)
     counts = torch.bincount(expert_ids.flatten(), minlength=num_experts)
     counts = C.all_gather(counts, tp, kind=COUNTS_KIND).view(tp.size, num_experts)  # [tp, E]

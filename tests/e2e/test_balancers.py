@@ -1,0 +1,52 @@
+"""Balancers through the real entry point (issue #9): FasterMoE shadowing trains exactly like no
+balancer while it replicates experts, and a run that needs a hardware profile without one
+calibrates it at start-up (then reuses the cached one)."""
+import pytest
+
+from megatron_moe.perf.hardware import BALANCER_OPS, PARM_OPS, load_profile
+from tests.e2e.test_train_cli import INVARIANCE, train
+
+pytestmark = pytest.mark.e2e
+TEN = INVARIANCE + ["training.train_iters=10"]
+SHADOW = ["moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1"]
+
+
+def _same_curve(got, ref, rel):
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref]
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=rel) and a["aux_loss"] == pytest.approx(b["aux_loss"], rel=rel)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rel)
+    assert ref[-1]["loss"] < ref[0]["loss"]  # it trained
+
+
+def test_fastermoe_trains_like_no_balancer_and_calibrates_once(tmp_path):
+    cache = [f"perf.calibration_cache={tmp_path / 'profiles'}"]
+    ep2 = ["parallel.expert=2"]
+    none, _ = train(2, TEN + ep2, tmp_path / "none")
+    shadow, stdout = train(2, TEN + ep2 + SHADOW + cache, tmp_path / "fastermoe")
+    _same_curve(shadow, none, rel=1e-5)
+    for r in shadow:
+        assert all(n >= 1.0 for n in r["moe_replicas"])  # >= 1 shadow (on the other EP rank) per layer and forward
+        assert r["comm_bytes"]["trans"] > 0 and r["comm_bytes"]["agg"] > 0
+        assert r["comm_exposed_ms"]["trans"] <= r["comm_total_ms"]["trans"]
+    assert all(r["moe_replicas"] == [0.0, 0.0] and "trans" not in r["comm_bytes"] for r in none)
+    assert "perf: hardware profile for moe.balancer=fastermoe calibrated in" in stdout
+    load_profile(str(tmp_path / "fastermoe" / "hardware_profile.yaml")).require(BALANCER_OPS, "test")
+    _, again = train(2, INVARIANCE[:1] + ["training.train_iters=1"] + INVARIANCE[1:] + ep2 + SHADOW + cache,
+                     tmp_path / "again")
+    assert "reused from the cache" in again and "calibrated in" not in again
+
+
+def test_auto_and_fastermoe_without_a_profile_match_one_process(tmp_path):
+    """Review #15 item 3 / #9 item 3: moe.schedule=auto without perf.hardware_profile runs."""
+    reference, _ = train(1, INVARIANCE, tmp_path / "ref")
+    got, stdout = train(4, INVARIANCE + ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",
+                                         f"perf.calibration_cache={tmp_path / 'profiles'}"] + SHADOW,
+                        tmp_path / "auto")
+    _same_curve(got, reference, rel=1e-4)
+    assert "perf: hardware profile for moe.schedule=auto, moe.balancer=fastermoe calibrated in" in stdout
+    profile = load_profile(str(tmp_path / "auto" / "hardware_profile.yaml"))
+    profile.require(PARM_OPS + BALANCER_OPS, "test")
+    assert profile.fit["layout"] == {"tensor": 2, "expert": 2, "expert_shard": 1}
+    assert all(n >= 1.0 for r in got for n in r["moe_replicas"])
+    assert all(set(c) <= {"s1", "s2"} for r in got for c in r["moe_schedule"])
