@@ -8,7 +8,8 @@ Rows: baseline (Parm Fig. 3(a), DeepSpeed-MoE style), s1, s2 (AAS), s2_saa, auto
 before review issue #15 item 5, S1's combine through SAA's phased point-to-point exchange instead
 of its plain all-to-all (kept to measure that fix in the same run). Every layer gets the same
 weights (seeded) and every data-parallel rank its own tokens. Each schedule row runs once per
---balancer (rows named `<schedule>+<balancer>` for balancers other than none). --skew S adds a
+--balancer (rows named `<schedule>+<balancer>` for balancers other than none) and, with --smart,
+also with FasterMoE's smart schedule (`+smart`, rows without SAA). --skew S adds a
 fixed Zipf(S) bias, -S ln(e + 1), to every router's logits (`Router.logit_bias`, a measurement
 hook: expert 0 most popular), so balancers have imbalance to fix. Without --profile, the rows
 that need a hardware profile (auto, fastermoe) use one calibrated on these ranks
@@ -16,7 +17,8 @@ that need a hardware profile (auto, fastermoe) use one calibrated on these ranks
 that load drifts hit every row alike; a repetition's time is the slowest rank's.
 
 Reported per row: median ms over --reps after --warmup; `bytes` (rank 0) and `bytes_all_ranks`
-(summed over every rank) per "<op kind>/<group>" for one forward + backward; `exposed_ms` /
+(summed over every rank) per "<op kind>/<group>" for one forward + backward, and
+`inter_node_bytes_all_ranks` the part sent across (simulated, --ranks-per-node) nodes; `exposed_ms` /
 `total_ms` per op kind (rank 0's median: time blocked by communication vs its whole span);
 speedup_vs_baseline = baseline median / row median; `max_abs_diff_vs_baseline`: the largest
 difference of the layer output and input gradient from the baseline row's, over all ranks (every
@@ -78,6 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balancer", default="none", help="comma-separated balancers, each run with every row")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of a fixed router-logit bias (0 = none)")
     p.add_argument("--min-shadow", type=int, default=0, help="moe.fastermoe.min_shadow")
+    p.add_argument("--smart", action="store_true",
+                   help="also run every row without SAA with FasterMoE's smart schedule (rows '<name>+smart')")
+    p.add_argument("--smart-group-size", type=int, default=1, help="moe.smart_group_size")
+    p.add_argument("--gate", default="softmax", help="moe.gate (topology: FasterMoE's topology-aware gate)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulated node size (inter-node bytes)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
@@ -92,21 +99,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def layer_config(args, schedule: str, saa: bool, balancer: str = "none") -> Config:
+def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: bool = False) -> Config:
     cfg = Config()
     m, moe = cfg.model, cfg.moe
     m.hidden_size, m.activation, m.seq_length = args.hidden, args.activation, args.seq
     moe.num_experts, moe.top_k, moe.capacity_factor = args.experts, args.top_k, args.capacity_factor
     moe.expert_ffn_hidden_size, moe.schedule, moe.saa = args.ffn, schedule, saa
     moe.balancer, moe.fastermoe.min_shadow = balancer, args.min_shadow
+    moe.smart_schedule, moe.smart_group_size, moe.gate = smart, args.smart_group_size, args.gate
     cfg.parallel.tensor, cfg.parallel.expert, cfg.parallel.expert_shard = args.tensor, args.expert, args.expert_shard
     cfg.perf.hardware_profile = args.profile
     return cfg
 
 
-def build_layer(args, row: str, balancer: str, state, device) -> MoELayer:
+def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> MoELayer:
     schedule, saa = ROWS[row]
-    cfg = layer_config(args, schedule, saa, balancer)
+    cfg = layer_config(args, schedule, saa, balancer, smart)
     layer = MoELayer(cfg, state, layer_index=0)
     if row == "auto_saa_s1_phased":
         layer.schedule = AutoWithPhasedS1(cfg, state)
@@ -121,8 +129,8 @@ def bytes_of_kind(counters: dict, kind: str) -> int:
     return sum(n for key, n in counters.items() if key.split("/")[0] == kind)
 
 
-def row_name(row: str, balancer: str) -> str:
-    return row if balancer == "none" else f"{row}+{balancer}"
+def row_name(row: str, balancer: str, smart: bool) -> str:
+    return row + ("" if balancer == "none" else f"+{balancer}") + ("+smart" if smart else "")
 
 
 def sum_over_ranks(counters: dict, state) -> dict:
@@ -134,7 +142,7 @@ def sum_over_ranks(counters: dict, state) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    state = init_state(args.tensor, args.expert, args.expert_shard)
+    state = init_state(args.tensor, args.expert, args.expert_shard, ranks_per_node=args.ranks_per_node)
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
     gen = torch.Generator().manual_seed(args.seed + state.dp.rank)  # same tokens on a TP group
@@ -144,10 +152,12 @@ def main(argv=None) -> int:
         every_need = layer_config(args, "auto", False, "fastermoe" if "fastermoe" in args.balancer else "none")
         args.profile = resolve_hardware_profile(every_need, state, device, say=lambda msg: print(msg, flush=True),
                                                 run_dir_copy=False).perf.hardware_profile
-    layers = {row_name(row, b): build_layer(args, row, b, state, device) for b in args.balancer for row in args.rows}
+    variants = [(row, b, smart) for smart in ([False, True] if args.smart else [False]) for b in args.balancer
+                for row in args.rows if not (smart and ROWS[row][1])]  # the smart schedule replaces SAA
+    layers = {row_name(*v): build_layer(args, *v, state, device) for v in variants}
     times = {name: [] for name in layers}
     comm_times = {name: [] for name in layers}
-    bytes_, picked, outputs, loads, replicas = {}, {}, {}, {}, {}
+    bytes_, inter_node, picked, outputs, loads, replicas = {}, {}, {}, {}, {}, {}
 
     def step(name):
         layer = layers[name]
@@ -155,7 +165,7 @@ def main(argv=None) -> int:
         inp = x.clone().requires_grad_(True)
         y, aux = layer(inp)
         ((y * grad).sum() + aux).backward()
-        bytes_[name] = C.COMM_STATS.snapshot()
+        bytes_[name], inter_node[name] = C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)
         comm_times[name].append(C.COMM_STATS.seconds_by_kind())
         picked[name], replicas[name] = layer.last_stats.schedule, layer.last_stats.replicas
         loads[name] = layer.last_stats.tokens_per_ep_rank
@@ -177,6 +187,7 @@ def main(argv=None) -> int:
         results[name] = {
             "ms_median": round(medians[name], 3), "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3),
             "bytes": dict(sorted(bytes_[name].items())), "bytes_all_ranks": sum_over_ranks(bytes_[name], state),
+            "inter_node_bytes_all_ranks": sum_over_ranks(inter_node[name], state),
             **{f"{part}_ms": {kind: round(statistics.median(t[part].get(kind, 0.0) for t in timed) * 1e3, 3)
                               for kind in timed[-1][part]} for part in ("exposed", "total")},
             "max_abs_diff_vs_baseline": diff,

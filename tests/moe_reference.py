@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -55,8 +55,33 @@ def _expert(v: torch.Tensor, e: int, weights: Dict[str, torch.Tensor], activatio
     return out
 
 
-def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config) -> ReferenceOutput:
-    """x [n, h] (one data-parallel micro-batch, tokens flattened in [b*s] order)."""
+def topology_choices(probs: List[torch.Tensor], k: int, remote: List[bool], budget: int) -> List[List[int]]:
+    """FasterMoE's topology-aware gate (§4.3) by plain loops: every token's best k experts; if more
+    than `budget` of those (token, expert) pairs are remote, the `budget` with the highest
+    probability stay (ties: earlier token, then earlier choice) and each other one is replaced by
+    the token's best local expert not chosen yet (none left: it stays)."""
+    n, num_experts = len(probs), len(remote)
+    best = [sorted(range(num_experts), key=lambda e: -float(probs[t][e]))[:k] for t in range(n)]
+    pairs = [(float(probs[t][e]), t, i) for t in range(n) for i, e in enumerate(best[t]) if remote[e]]
+    if len(pairs) <= budget:
+        return best
+    allowed = {(t, i) for _, t, i in sorted(pairs, key=lambda p: (-p[0], p[1], p[2]))[:budget]}
+    out = []
+    for t in range(n):
+        final = [e for i, e in enumerate(best[t]) if not remote[e] or (t, i) in allowed]
+        local = [e for e in sorted(range(num_experts), key=lambda e: -float(probs[t][e]))
+                 if not remote[e] and e not in best[t]]
+        for i, e in enumerate(best[t]):
+            if remote[e] and (t, i) not in allowed:
+                final.append(local.pop(0) if local else e)
+        out.append(sorted(final, key=lambda e: -float(probs[t][e])))
+    return out
+
+
+def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config,
+                  remote: Optional[List[bool]] = None, budget: int = 0) -> ReferenceOutput:
+    """x [n, h] (one data-parallel micro-batch, tokens flattened in [b*s] order). With `remote`
+    (Bool per expert), the topology-aware gate's choices under `budget` replace the top-k."""
     moe = cfg.moe
     n, num_experts, k = x.shape[0], moe.num_experts, moe.top_k
     router = weights["router.weight"]
@@ -65,8 +90,9 @@ def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config
     capacity = None if moe.capacity_factor is None else math.ceil(moe.capacity_factor * n * k / num_experts)
     chosen_count, kept_count = [0] * num_experts, [0] * num_experts
     outputs = []
+    gated = topology_choices([p.detach() for p in probs], k, remote, budget) if remote is not None else None
     for t in range(n):
-        choices = sorted(range(num_experts), key=lambda e: -float(probs[t][e].detach()))[:k]
+        choices = gated[t] if gated else sorted(range(num_experts), key=lambda e: -float(probs[t][e].detach()))[:k]
         total = sum(probs[t][e] for e in choices)
         out = torch.zeros_like(x[t])
         for e in choices:

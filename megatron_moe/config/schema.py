@@ -38,6 +38,13 @@ class FasterMoEConfig:
 
 
 @dataclass
+class TopologyGateConfig:
+    # W_net / W_local: inter- over intra-node bandwidth per rank; a rank may send L = ratio / M x its
+    # assignments to other nodes (M = parallel.ranks_per_node), the rest re-select on their node
+    bandwidth_ratio: float = 0.25
+
+
+@dataclass
 class MoEConfig:
     num_experts: int = 4
     top_k: int = 2  # 1 = Switch, 2 = GShard
@@ -50,6 +57,10 @@ class MoEConfig:
     balancer: str = "none"  # registry: moe/balancers
     saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)
     fastermoe: FasterMoEConfig = field(default_factory=FasterMoEConfig)  # moe.balancer=fastermoe (docs/balancers.md)
+    gate: str = "softmax"  # registry moe.gate: softmax | topology (FasterMoE §4.3: changes routing)
+    topology_gate: TopologyGateConfig = field(default_factory=TopologyGateConfig)  # moe.gate=topology
+    smart_schedule: bool = False  # FasterMoE §4.2: all-to-all + experts + all-to-all as pipelined pairwise steps
+    smart_group_size: int = 1  # EP ranks per fine-grained group of the smart schedule (divides parallel.expert)
 
 
 @dataclass
@@ -59,6 +70,9 @@ class ParallelConfig:
     expert_shard: int = 1  # expert-sharding degree, N_ESP (shards each expert's FFN dim)
     pipeline: int = 1  # pipeline degree (only 1 is supported for now)
     backend: str = "auto"  # auto (nccl if CUDA else gloo) | gloo | nccl
+    # ranks per node (consecutive ranks share a node): null = as the launcher placed them
+    # (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node); set it to simulate nodes on one machine
+    ranks_per_node: Optional[int] = None
     timeout_s: float = 600.0  # process-group timeout
 
 

@@ -59,6 +59,13 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"moe.expert_ffn_hidden_size={moe.expert_ffn_hidden_size} must be >= 1 or null")
     _check_registries(cfg)
     _check_parm(cfg)
+    if par.ranks_per_node is not None and (par.ranks_per_node < 1 or world_size % par.ranks_per_node):
+        raise ConfigError(f"parallel.ranks_per_node={par.ranks_per_node} must be >= 1 and divide the world size {world_size}")
+    if moe.gate == "topology" and moe.schedule == "s1":
+        raise ConfigError("moe.gate=topology does not work with moe.schedule=s1 (S1 gates each TP rank's piece "
+                          "separately; the gate's budget covers the whole micro-batch): use s2 or auto")
+    if moe.topology_gate.bandwidth_ratio <= 0:
+        raise ConfigError(f"moe.topology_gate.bandwidth_ratio={moe.topology_gate.bandwidth_ratio} must be > 0")
 
     if par.pipeline != 1:
         raise ConfigError(f"parallel.pipeline={par.pipeline}: pipeline parallelism is not supported yet; use 1")
@@ -131,8 +138,11 @@ def _check_registries(cfg: Config) -> None:
     from megatron_moe.moe.schedules import SCHEDULES
     from megatron_moe.training.lr import LR_SCHEDULES
 
+    from megatron_moe.moe.router import GATES
+
     SCHEDULES.get(cfg.moe.schedule)
     BALANCERS.get(cfg.moe.balancer)
+    GATES.get(cfg.moe.gate)
     LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
     if cfg.data.tokenizer.type is not None:
         from megatron_moe.data.tokenizers import TOKENIZERS
@@ -200,6 +210,11 @@ def _check_parm(cfg: Config) -> None:
         # ranks sharing a TP group or an ep_esp group must pick alike (moe/schedules/parm.py)
         raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
                           f"parallel.expert_shard={ep_esp} to divide one another")
+    if moe.smart_schedule and moe.saa:
+        raise ConfigError("moe.smart_schedule=true and moe.saa=true cannot be combined: both reschedule S2's combine")
+    if moe.smart_group_size < 1 or par.expert % moe.smart_group_size:
+        raise ConfigError(f"moe.smart_group_size={moe.smart_group_size} must be >= 1 and divide "
+                          f"parallel.expert={par.expert}")
     if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
         raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
     if profile:

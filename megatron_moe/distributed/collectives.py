@@ -18,6 +18,9 @@ is issued; its exposed time is the issue call plus the time blocked in `Pending.
 total the span from issue until `wait()` returns (an upper bound of the transfer itself: gloo
 reports no completion time). Exposed < total is communication hidden behind other work.
 
+All-to-all and point-to-point ops also count the bytes they send to ranks on other nodes
+(`RankLayout.ranks_per_node`, `parallel.ranks_per_node`) in `COMM_STATS.inter_node`.
+
 Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
 `COMM_STATS.snapshot()` returns the bytes, `COMM_STATS.seconds_by_kind()` the times,
 `COMM_STATS.reset()` clears them. Differentiable wrappers (`all_to_all_v_autograd`, ...) count
@@ -39,23 +42,27 @@ from megatron_moe.distributed.parallel_state import Group
 
 
 class CommStats:
-    """Bytes, calls, total and exposed seconds per "<kind>/<group>" in this process."""
+    """Bytes (all, and the part sent to other nodes), calls, total and exposed seconds per
+    "<kind>/<group>" in this process."""
 
     def __init__(self):
         self.bytes: Dict[str, int] = defaultdict(int)
+        self.inter_node: Dict[str, int] = defaultdict(int)  # bytes to ranks on other nodes (all-to-all, p2p)
         self.seconds: Dict[str, float] = defaultdict(float)  # total span
         self.exposed: Dict[str, float] = defaultdict(float)  # time the caller was blocked
         self.calls: Dict[str, int] = defaultdict(int)
 
-    def record(self, kind: str, group: Group, nbytes: int, seconds: float) -> None:
+    def record(self, kind: str, group: Group, nbytes: int, seconds: float, inter_node: int = 0) -> None:
         """A synchronous op: `seconds` is both its total and its exposed time."""
-        self.record_bytes(kind, group, nbytes)
+        self.record_bytes(kind, group, nbytes, inter_node)
         self.record_time(kind, group, seconds, seconds)
 
-    def record_bytes(self, kind: str, group: Group, nbytes: int) -> None:
+    def record_bytes(self, kind: str, group: Group, nbytes: int, inter_node: int = 0) -> None:
         key = f"{kind}/{group.name}"
         self.bytes[key] += int(nbytes)
         self.calls[key] += 1
+        if inter_node:
+            self.inter_node[key] += int(inter_node)
 
     def record_time(self, kind: str, group: Group, total: float, exposed: float) -> None:
         key = f"{kind}/{group.name}"
@@ -63,7 +70,7 @@ class CommStats:
         self.exposed[key] += exposed
 
     def reset(self) -> None:
-        for counter in (self.bytes, self.seconds, self.exposed, self.calls):
+        for counter in (self.bytes, self.inter_node, self.seconds, self.exposed, self.calls):
             counter.clear()
 
     def snapshot(self) -> Dict[str, int]:
@@ -78,6 +85,10 @@ class CommStats:
     def bytes_by_kind(self) -> Dict[str, int]:
         """Bytes summed over groups: {"all_to_all": ..., "all_gather": ...}."""
         return _by_kind(self.bytes)
+
+    def inter_node_bytes_by_kind(self) -> Dict[str, int]:
+        """The part of `bytes_by_kind` sent to ranks on other nodes (all-to-all and point to point)."""
+        return _by_kind(self.inter_node)
 
     def seconds_by_kind(self) -> Dict[str, Dict[str, float]]:
         """{"exposed": {kind: s}, "total": {kind: s}}, summed over groups."""
@@ -99,10 +110,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @contextmanager
-def _timed(kind: str, group: Group, nbytes: int):
+def _timed(kind: str, group: Group, nbytes: int, inter_node: int = 0):
     start = time.perf_counter()
     yield
-    COMM_STATS.record(kind, group, nbytes, time.perf_counter() - start)
+    COMM_STATS.record(kind, group, nbytes, time.perf_counter() - start, inter_node)
+
+
+def _off_node_bytes(group: Group, per_peer: Sequence[Tuple[int, int]]) -> int:
+    """Bytes of (group rank, bytes) pairs whose peer is on another node."""
+    return sum(n for i, n in per_peer if group.off_node(i))
 
 
 # ---- process-group management ---------------------------------------------------------------
@@ -244,9 +260,9 @@ class Pending:
 
 
 def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequence],
-           result: Callable[[], object] = lambda: None, keep: object = None) -> Pending:
+           result: Callable[[], object] = lambda: None, keep: object = None, inter_node: int = 0) -> Pending:
     """Count `nbytes`, start the async ops and return their handle (holding `keep` until done)."""
-    COMM_STATS.record_bytes(kind, group, nbytes)
+    COMM_STATS.record_bytes(kind, group, nbytes, inter_node)
     issued_at = time.perf_counter()
     works = start_ops()
     return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at, keep)
@@ -288,7 +304,8 @@ def all_to_all_v(t: torch.Tensor, send_splits: List[int], recv_splits: List[int]
         return t
     t = t.contiguous()
     out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
-    with _timed(kind, group, _nbytes(t)):
+    inter = _off_node_bytes(group, [(i, n * _row_bytes(t)) for i, n in enumerate(send_splits)])
+    with _timed(kind, group, _nbytes(t), inter):
         dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
                                input_split_sizes=list(send_splits), group=group.handle)
     return out
@@ -335,15 +352,18 @@ def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "red
 
 
 def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-                 group: Group, kind: str = "send") -> Pending:
+                 group: Group, kind: str = "send", tag: int = 0) -> Pending:
     """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
     (batch_isend_irecv, as NCCL needs) and return one handle to wait on. Counts the bytes sent as
-    `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), group.global_rank(i), group.handle) for i, t in sends if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, group.global_rank(i), group.handle) for i, t in recvs if t.numel()]
+    `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself.
+    Messages between two ranks match in posting order (and by `tag` where the backend uses tags)."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group.global_rank(i), group.handle, tag) for i, t in sends
+           if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, group.global_rank(i), group.handle, tag) for i, t in recvs if t.numel()]
     if not ops:
         return Pending.completed()
-    return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops), keep=ops)
+    return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops), keep=ops,
+                  inter_node=_off_node_bytes(group, [(i, _nbytes(t)) for i, t in sends]))
 
 
 # ---- differentiable wrappers --------------------------------------------------------------------

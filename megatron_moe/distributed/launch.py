@@ -41,6 +41,17 @@ class LaunchInfo:
     source: str  # "torchrun" | "slurm" | "single"
     backend: str = "gloo"  # set by initialize(): "gloo" | "nccl" (a process group exists if world_size > 1)
     device: str = "cpu"  # set by initialize(): "cpu" | "cuda:N"
+    ranks_per_node: Optional[int] = None  # the launcher's ranks per node (None: unknown, one node)
+
+
+def ranks_per_node_from_env(env: Mapping[str, str]) -> Optional[int]:
+    """Ranks per node as the launcher placed them: torchrun's LOCAL_WORLD_SIZE, SLURM's
+    SLURM_NTASKS_PER_NODE or the first count of SLURM_TASKS_PER_NODE ('4(x2),2' -> 4)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        match = re.match(r"^(\d+)", env.get(key, ""))
+        if match:
+            return int(match.group(1))
+    return None
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -106,11 +117,13 @@ def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
         info = LaunchInfo(_int(env, "RANK"), _int(env, "WORLD_SIZE"),
                           _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
                           env.get("MASTER_ADDR", "127.0.0.1"),
-                          _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500, "torchrun")
+                          _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500, "torchrun",
+                          ranks_per_node=ranks_per_node_from_env(env))
     elif "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr, port = slurm_master(env)
         info = LaunchInfo(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
-                          _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm")
+                          _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm",
+                          ranks_per_node=ranks_per_node_from_env(env))
     else:
         return LaunchInfo(0, 1, 0, "127.0.0.1", 29500, "single")
     if not 0 <= info.rank < info.world_size:

@@ -43,10 +43,15 @@ class RankLayout:
     pipeline: int = 1
     expert: int = 1
     expert_shard: int = 1
+    ranks_per_node: Optional[int] = None  # consecutive ranks per node (None: all on one node)
 
     def __post_init__(self):
         assert self.world_size % (self.tensor * self.pipeline) == 0, "validate the config first"
         assert self.stage_size % (self.expert * self.expert_shard) == 0, "validate the config first"
+
+    def node_of(self, rank: int) -> int:
+        """The node global rank `rank` runs on (ranks fill nodes in order, as launchers place them)."""
+        return rank // (self.ranks_per_node or self.world_size)
 
     @property
     def stage_size(self) -> int:
@@ -101,6 +106,7 @@ class Group:
     ranks: List[int]
     rank: int  # index of this process within `ranks`
     handle: Optional[Any] = None
+    ranks_per_node: Optional[int] = None  # RankLayout's: which members share this rank's node
 
     @property
     def size(self) -> int:
@@ -108,6 +114,11 @@ class Group:
 
     def global_rank(self, index: int) -> int:
         return self.ranks[index]
+
+    def off_node(self, index: int) -> bool:
+        """Is member `index` on another node than this rank (its traffic crosses the network)?"""
+        per_node = self.ranks_per_node or max(self.ranks) + 1
+        return self.ranks[index] // per_node != self.ranks[self.rank] // per_node
 
 
 @dataclass
@@ -129,7 +140,7 @@ class ParallelState:
             for ranks in layout.groups(name):
                 handle = collectives.new_group(ranks) if distributed else None
                 if rank in ranks:
-                    state.groups[name] = Group(name, ranks, ranks.index(rank), handle)
+                    state.groups[name] = Group(name, ranks, ranks.index(rank), handle, layout.ranks_per_node)
         return state
 
     @classmethod

@@ -33,7 +33,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
-from megatron_moe.moe.router import Router
+from megatron_moe.moe.router import GATES
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.stats import MoEStats
 
@@ -42,7 +42,7 @@ class MoELayer(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
-        self.router = Router(cfg, state)
+        self.router = GATES.get(cfg.moe.gate)(cfg, state)
         self.experts = Experts(cfg, state)
         self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
         self.balancer = BALANCERS.get(cfg.moe.balancer)(cfg, state)

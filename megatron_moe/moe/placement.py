@@ -119,6 +119,10 @@ class Placement:
         """Rows EP rank q computes for each expert of `experts_on(q)`."""
         return self.routing_table[:, self.experts_on(q), q].sum(0).tolist()
 
+    def expert_counts_from(self, q: int, sources: Sequence[int]) -> List[int]:
+        """Rows EP rank q computes for each expert of `experts_on(q)` from `sources` only."""
+        return self.routing_table[list(sources)][:, self.experts_on(q), q].sum(0).tolist()
+
     def destinations(self, src: int) -> torch.Tensor:
         """Long[rows]: the EP rank computing each of source `src`'s rows, rows ordered by expert."""
         pair_experts, pair_ranks = self._pairs
@@ -128,7 +132,12 @@ class Placement:
         """Long[rows]: permutation of EP rank q's received rows (source-major, experts ascending
         within a source) into expert-major order (experts as in `experts_on(q)`, sources ascending
         within an expert)."""
-        blocks = self.routing_table[:, :, q]  # [S, E] rows per (source, expert)
+        return self.receive_order_from(q, range(self.routing_table.shape[0]))
+
+    def receive_order_from(self, q: int, sources: Sequence[int]) -> torch.Tensor:
+        """`receive_order` of the rows EP rank q receives from `sources` only, concatenated in that
+        order (FasterMoE's smart schedule computes one group of sources at a time)."""
+        blocks = self.routing_table[list(sources), :, q]  # [S', E] rows per (source, expert)
         starts = _exclusive_cumsum(blocks.flatten()).view_as(blocks)  # offset of each block as received
         order = self.experts_on(q)
         lengths, starts = blocks[:, order].t().flatten(), starts[:, order].t().flatten()  # expert-major blocks

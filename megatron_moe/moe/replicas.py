@@ -133,14 +133,18 @@ class ReplicaWeights:
     """The replica stacks of one forward (`Experts.forward`'s `replicas`)."""
 
     expert_ids: List[int]
-    _plan: ReplicaPlan
     _stacks: Tuple[torch.Tensor, ...]
+    _pending: List[C.Pending] = field(default_factory=list, repr=False)  # Trans in flight
 
     def stacks(self) -> Tuple[torch.Tensor, ...]:
         """Waits for Trans; per parameter [R, ...] in `Experts.stacks()` order."""
-        for handle in self._plan.pending:
+        for handle in self._pending:
             handle.wait()
         return self._stacks
+
+    def with_stacks(self, stacks) -> "ReplicaWeights":
+        """The same experts computed with other tensors (the smart schedule's per-step leaves)."""
+        return ReplicaWeights(self.expert_ids, tuple(stacks))
 
 
 def fetch_replicas(experts, placement: Placement, state: ParallelState) -> Optional[ReplicaWeights]:
@@ -149,4 +153,4 @@ def fetch_replicas(experts, placement: Placement, state: ParallelState) -> Optio
         return None
     plan = ReplicaPlan.of(placement, state.ep.rank, experts.num_local)
     stacks = _Trans.apply(plan, state.ep, *experts.stacks())
-    return ReplicaWeights(plan.expert_ids, plan, stacks)
+    return ReplicaWeights(plan.expert_ids, stacks, plan.pending)

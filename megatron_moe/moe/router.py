@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.registry import Registry
 
 
 @dataclass
@@ -93,6 +94,10 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
+GATES = Registry("moe.gate")
+
+
+@GATES.register("softmax")
 class Router(torch.nn.Module):
     """Routes one data-parallel micro-batch (or a schedule's piece of one) of tokens [n, h]."""
 
@@ -113,12 +118,20 @@ class Router(torch.nn.Module):
         logits = router_logits(x, self.weight if weight is None else weight)
         return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.device)
 
+    def select(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 logits [n, E] -> (probs [n, E], expert_ids [n, k], combine weights [n, k]): the
+        gate's choice (softmax top-k; `moe.gate` registers others)."""
+        return top_k_gating(logits, self.top_k)
+
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.logits(x)  # [n, E] fp32
-        probs, expert_ids, weights = top_k_gating(logits, self.top_k)
+        probs, expert_ids, weights = self.select(logits)
         tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)  # [E]
         capacity = expert_capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
         kept = capacity_keep(expert_ids, self.num_experts, capacity)
         aux_loss = (self.aux_loss_coeff * load_balancing_loss(probs, tokens_per_expert, self.top_k)
                     + self.z_loss_coeff * z_loss(logits))
         return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss)
+
+
+from megatron_moe.moe import topology_gate  # noqa: E402,F401  (registers "topology")

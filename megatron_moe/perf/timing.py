@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -11,12 +11,15 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 
 
-def init_state(tensor: int, expert: int, expert_shard: int, backend: str = "auto") -> ParallelState:
-    """Process group from torchrun's environment (or one process) and the ParallelState of a layout."""
+def init_state(tensor: int, expert: int, expert_shard: int, backend: str = "auto",
+               ranks_per_node: Optional[int] = None) -> ParallelState:
+    """Process group from torchrun's environment (or one process) and the ParallelState of a layout
+    (nodes as given, else as the launcher placed the ranks)."""
     from megatron_moe.distributed import launch
 
     info = launch.initialize(backend)
-    layout = RankLayout(world_size=info.world_size, tensor=tensor, expert=expert, expert_shard=expert_shard)
+    layout = RankLayout(world_size=info.world_size, tensor=tensor, expert=expert, expert_shard=expert_shard,
+                        ranks_per_node=ranks_per_node or info.ranks_per_node)
     return ParallelState.build(layout, info.rank)
 
 

@@ -64,7 +64,8 @@ def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> 
     info = launch.initialize(par.backend, par.timeout_s)
     try:
         layout = RankLayout(world_size=info.world_size, tensor=par.tensor, pipeline=par.pipeline,
-                            expert=par.expert, expert_shard=par.expert_shard)
+                            expert=par.expert, expert_shard=par.expert_shard,
+                            ranks_per_node=par.ranks_per_node or info.ranks_per_node)
         Trainer(cfg, ParallelState.build(layout, info.rank), model_cls, datasets).train()
     finally:
         collectives.destroy_process_group()

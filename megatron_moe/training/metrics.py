@@ -3,6 +3,8 @@ logged iteration. Only the writing rank (rank 0) creates files; the others keep 
 
 A record is a flat dict of numbers plus nested fields: dicts ``comm_bytes`` ({op kind: bytes} of
 the forward, backward and gradient sync; the metric collectives after them are not included),
+``comm_bytes_inter_node`` (the all-to-all and point-to-point part of it sent to other nodes,
+`parallel.ranks_per_node`),
 ``comm_exposed_ms`` / ``comm_total_ms`` ({op kind: ms} of the same ops: time the step was blocked
 by them / their whole span; they differ where communication overlaps other work, e.g. SAA) and
 ``time_ms`` ({forward, backward, optimizer, comm_wait = all exposed communication}), and per-MoE-layer lists

@@ -136,6 +136,7 @@ class Trainer:
         self.grads.sync()
         grad_norm = self.grads.clip(self.cfg.optimizer.clip_grad)
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()
+        inter_node = collectives.COMM_STATS.inter_node_bytes_by_kind()  # all-to-all / p2p bytes across nodes
         comm_times = collectives.COMM_STATS.seconds_by_kind()  # exposed / total per op kind
         loss, aux_loss, binary_loss = self.mean_over_dp(sums, self.num_micro_batches)
         if all_finite([loss, aux_loss, binary_loss, grad_norm]):  # the same on every rank
@@ -154,7 +155,8 @@ class Trainer:
         return {
             "iteration": iteration, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tr.global_batch_size * self.cfg.model.seq_length / seconds,
-            "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes, **moe_metrics,
+            "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes, "comm_bytes_inter_node": inter_node,
+            **moe_metrics,
             "time_ms": {**{k: v * 1e3 for k, v in self.timer.seconds.items()},
                         "comm_wait": sum(comm_times["exposed"].values()) * 1e3},
             "comm_exposed_ms": {k: v * 1e3 for k, v in comm_times["exposed"].items()},

@@ -74,3 +74,21 @@ def run_distributed(world_size: int, fn: Callable, layout_kwargs: Optional[Dict[
         if errors:
             raise RuntimeError("worker failed:\n" + "\n".join(errors))
     return [outputs[r] for r in range(world_size)]
+
+
+def per_world_spawner(layouts: List[Tuple[int, Dict[str, int]]], fn: Callable, args: Tuple = (),
+                      timeout: float = 600.0) -> Callable[[int], Dict[str, List[Any]]]:
+    """`get(world)` -> {str(layout_kwargs): [rank 0's result, rank 1's, ...]} for every layout of
+    that world size, from ONE spawn of `fn(state, jobs, *args)` (jobs: the layouts' kwargs; fn
+    returns one result per job). Process start-up dominates a spawn on 2 cores, so a module
+    spawns each world size once and caches it."""
+    cache: Dict[int, Dict[str, List[Any]]] = {}
+
+    def get(world: int) -> Dict[str, List[Any]]:
+        if world not in cache:
+            jobs = [kw for w, kw in layouts if w == world]
+            outputs = run_distributed(world, fn, jobs[0], args=(jobs, *args), timeout=timeout)
+            cache[world] = {str(kw): [out[i] for out in outputs] for i, kw in enumerate(jobs)}
+        return cache[world]
+
+    return get

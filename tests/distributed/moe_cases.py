@@ -14,7 +14,7 @@ import torch
 
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
-from megatron_moe.distributed.parallel_state import RankLayout
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.moe.layer import MoELayer
 from tests.moe_reference import load_full_weights_, random_full_weights, reference_moe
 
@@ -66,17 +66,36 @@ def run_layer(state, cfg: Config, full, xs, gs, balancer=None) -> Dict:
                 meta={n: (p.meta.kind, p.meta.local_slices(state)) for n, p in params.items()})
 
 
+def run_on_layouts(state, jobs, runs, setup) -> List[List]:
+    """For every layout (kwargs) in `jobs` and every item of `runs`, on this spawn's processes:
+    (run_layer's result, bytes by kind). `setup(run)` -> (case index, edit) where `edit(cfg, sub_state)`
+    sets the schedule/balancer keys and returns a Balancer instance (or None: the configured one)."""
+    out = []
+    for kwargs in jobs:
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank)
+        results = []
+        for run in runs:
+            index, edit = setup(run)
+            cfg, full, xs, gs = case_data(index, sub.dp_size)
+            balancer = edit(cfg, sub)
+            C.COMM_STATS.reset()
+            results.append((run_layer(sub, cfg, full, xs, gs, balancer=balancer), C.COMM_STATS.snapshot()))
+        out.append(results)
+    return out
+
+
 def reference(index: int, dp: int):
     """Per micro-batch reference outputs, dL_d/dx_d, and weight gradients of mean_d L_d."""
     return reference_of(*case_data(index, dp))
 
 
-def reference_of(cfg: Config, full, xs, gs):
-    """`reference` for any weights and per-micro-batch tokens xs / upstream gradients gs [dp, B, S, H]."""
+def reference_of(cfg: Config, full, xs, gs, remote=None, budget: int = 0):
+    """`reference` for any weights and per-micro-batch tokens xs / upstream gradients gs [dp, B, S, H];
+    with `remote` (per micro-batch, Bool per expert) the topology-aware gate's routing under `budget`."""
     dp = xs.shape[0]
     weights = {n: t.clone().requires_grad_(True) for n, t in full.items()}
     xs = [xs[d].reshape(B * S, H).clone().requires_grad_(True) for d in range(dp)]
-    refs = [reference_moe(x, weights, cfg) for x in xs]
+    refs = [reference_moe(x, weights, cfg, remote[d] if remote else None, budget) for d, x in enumerate(xs)]
     loss = sum((ref.y * gs[d].reshape(B * S, H)).sum() + ref.aux_loss for d, ref in enumerate(refs)) / dp
     loss.backward()
     return refs, [x.grad * dp for x in xs], {n: w.grad for n, w in weights.items()}

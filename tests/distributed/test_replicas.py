@@ -15,14 +15,13 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_moe.distributed import collectives as C
-from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.distributed.parallel_state import RankLayout
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import load_profile, save_profile
-from tests.distributed.harness import run_distributed
-from tests.distributed.moe_cases import CASES, E, FFN, H, case_data, check_against_reference, run_layer
+from tests.distributed.harness import per_world_spawner
+from tests.distributed.moe_cases import CASES, E, FFN, H, check_against_reference, run_on_layouts
 from tests.distributed.test_moe_parm import TESTBED_B
 
 SHADOWED = (0, E - 1)
@@ -64,36 +63,25 @@ def _fastermoe_profile(path: str) -> str:
 
 
 def _run(state, jobs, profile):
-    out = []
-    for layout_kwargs in jobs:
-        sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout_kwargs), state.rank)
-        results = []
-        for policy, (schedule, saa, index) in [(p, run) for p in POLICIES for run in RUNS]:
-            cfg, full, xs, gs = case_data(index, sub.dp_size)
+    def setup(run):
+        policy, (schedule, saa, index) = run
+
+        def edit(cfg, sub):
             cfg.moe.schedule, cfg.moe.saa, cfg.perf.hardware_profile = schedule, saa, TESTBED_B
             balancer = POLICIES[policy][0]
             if balancer is None:
                 cfg.moe.balancer, cfg.moe.fastermoe.min_shadow, cfg.perf.hardware_profile = "fastermoe", 1, profile
-            C.COMM_STATS.reset()
-            result = run_layer(sub, cfg, full, xs, gs, balancer=balancer(cfg, sub) if balancer else None)
-            results.append((result, C.COMM_STATS.snapshot()))
-        out.append(results)
-    return out
+            return balancer(cfg, sub) if balancer else None
+
+        return index, edit
+
+    return run_on_layouts(state, jobs, [(p, run) for p in POLICIES for run in RUNS], setup)
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    cache = {}
     profile = _fastermoe_profile(str(tmp_path_factory.mktemp("profile") / "fastermoe.yaml"))
-
-    def get(world):
-        if world not in cache:
-            jobs = [kw for w, kw in LAYOUTS if w == world]
-            outputs = run_distributed(world, _run, jobs[0], args=(jobs, profile), timeout=600)
-            cache[world] = {str(kw): [out[i] for out in outputs] for i, kw in enumerate(jobs)}
-        return cache[world]
-
-    return get
+    return per_world_spawner(LAYOUTS, _run, args=(profile,))
 
 
 def _shard_params(index: int, layout: RankLayout) -> int:

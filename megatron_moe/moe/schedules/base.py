@@ -19,15 +19,16 @@ Seams for the techniques to come:
   whole micro-batch. S2 routes the replicated input like the baseline and splits each expert's
   tokens over `tp` in `dispatch`. Both dispatch/combine with EP&ESP-AlltoAll over `ep_esp`
   (sources = `ep_esp` ranks) and compute no token twice (`expert_grad_scale` 1). SAA is S2's combine.
-* FasterMoE's smart schedule and Lancet's forward partition pipelining override `run` to
-  interleave pieces of dispatch, expert compute and combine; Lancet's weight-gradient deferral
-  wraps the experts call in `run`.
+* FasterMoE's smart schedule (`moe.smart_schedule`, schedules/smart.py) replaces the all-to-all,
+  experts and all-to-all back of `run` with pipelined pairwise steps; a schedule supports it by
+  providing `smart_parts` (the rows as they leave, ordered by peer) and `smart_finish`.
+  Lancet's forward partition pipelining and weight-gradient deferral hook into `run` the same way.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -83,8 +84,31 @@ class Schedule(ABC):
 
     def run(self, routed: Routed, placement: Placement, experts: Experts) -> torch.Tensor:
         replicas = experts.fetch_replicas(placement, self.state)  # Trans in flight during the dispatch
+        if self.cfg.moe.smart_schedule:
+            return self.run_smart(routed, placement, experts, replicas)
         batch, ctx = self.dispatch(routed, placement)
         return self.combine(experts(batch, replicas, grad_scale=self.expert_grad_scale), ctx)
+
+    # -- FasterMoE's smart schedule (schedules/smart.py) --------------------------------------------
+    def smart_parts(self, routed: Routed, placement: Placement) -> Tuple[torch.Tensor, Any, Any, Callable]:
+        """(rows to send [m, h] ordered by destination peer, context for `smart_finish`, SmartPlan,
+        what follows the experts on the receiving rank before the rows go back)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support moe.smart_schedule")
+
+    def smart_finish(self, returned: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Rows returned by their destinations, aligned with the sent rows -> y [n, h]."""
+        raise NotImplementedError
+
+    def run_smart(self, routed: Routed, placement: Placement, experts: Experts, replicas) -> torch.Tensor:
+        from megatron_moe.moe.schedules.smart import smart_exchange
+
+        send, ctx, plan, after_experts = self.smart_parts(routed, placement)
+
+        def compute(batch: ExpertBatch, replica_stacks) -> torch.Tensor:
+            held = replicas.with_stacks(replica_stacks) if replicas is not None else None
+            return after_experts(experts(batch, held, grad_scale=self.expert_grad_scale))
+
+        return self.smart_finish(smart_exchange(send, plan, compute, replicas), ctx)
 
 
 def slots_by_expert(ids: torch.Tensor) -> torch.Tensor:

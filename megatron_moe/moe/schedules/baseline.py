@@ -25,7 +25,7 @@ token copy reaches the experts once per TP rank, so `expert_grad_scale` = 1/N_MP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -55,7 +55,7 @@ class _CombineContext:
     send_splits: List[int]
     recv_splits: List[int]
     send_order: torch.Tensor  # expert-ordered rows -> send buffer
-    recv_order: torch.Tensor  # received rows -> expert batch
+    recv_order: Optional[torch.Tensor] = None  # received rows -> expert batch (set by dispatch)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -85,27 +85,48 @@ class BaselineSchedule(Schedule):
         counts = C.all_gather(local_counts, self.state.ep, kind=COUNTS_KIND).view(-1, router.num_experts)  # [ep, E]
         return BaselineRouted(routing, counts.cpu(), x, sizes, weights, slots)
 
-    def dispatch(self, routed: BaselineRouted, placement: Placement) -> Tuple[ExpertBatch, _CombineContext]:
+    def _send_rows(self, routed: BaselineRouted, placement: Placement) -> Tuple[torch.Tensor, _CombineContext]:
+        """Step 2 (ESP-AllGather) and the rows of G_p ordered by destination EP rank [m, h]."""
         esp, ep = self.state.esp, self.state.ep
         tokens = C.all_gather_v_autograd(routed.x, esp, routed.sizes)  # step 2: ESP-AllGather [n_G, h]
         rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
         send_order = torch.argsort(placement.destinations(ep.rank), stable=True).to(rows.device)
-        send_splits, recv_splits = placement.send_splits(ep.rank), placement.recv_splits(ep.rank)
-        received = C.all_to_all_v_autograd(rows.index_select(0, send_order), send_splits, recv_splits, ep)
-        recv_order = placement.receive_order(ep.rank).to(rows.device)
-        batch = ExpertBatch(received.index_select(0, recv_order), placement.experts_on(ep.rank),
+        ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order)
+        return rows.index_select(0, send_order), ctx
+
+    def dispatch(self, routed: BaselineRouted, placement: Placement) -> Tuple[ExpertBatch, _CombineContext]:
+        ep = self.state.ep
+        send, ctx = self._send_rows(routed, placement)
+        received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep)  # step 4
+        ctx.recv_order = placement.receive_order(ep.rank).to(send.device)
+        batch = ExpertBatch(received.index_select(0, ctx.recv_order), placement.experts_on(ep.rank),
                             placement.expert_counts(ep.rank))
-        return batch, _CombineContext(routed, send_splits, recv_splits, send_order, recv_order)
+        return batch, ctx
 
     def combine(self, expert_output: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
-        esp, ep, routed = self.state.esp, self.state.ep, ctx.routed
-        out = reduce_from_tp_region(expert_output, esp)  # step 6: ESP-AllReduce (Megatron g on esp)
+        out = reduce_from_tp_region(expert_output, self.state.esp)  # step 6: ESP-AllReduce (Megatron g on esp)
         out = out.index_select(0, _inverse(ctx.recv_order))  # as received: source-major
-        returned = C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, ep)  # step 7
+        return self._finish(C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, self.state.ep), ctx)  # 7
+
+    def _finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
+        """Steps 7-8 after the return trip: gate-weighted combine of G_p's rows, ESP-Split [n, h]."""
+        routed = ctx.routed
         rows = returned.index_select(0, _inverse(ctx.send_order))  # [m, h] aligned with routed.slots
         k = routed.weights.shape[1]
         gate = routed.weights.flatten().index_select(0, routed.slots)  # [m]
         weighted = rows * gate.unsqueeze(1)
         y_gathered = weighted.new_zeros((routed.weights.shape[0], weighted.shape[1]))
         y_gathered = y_gathered.index_add(0, routed.slots // k, weighted)  # [n_G, h]
-        return C.split_v_autograd(y_gathered, esp, routed.sizes)  # step 8: ESP-Split [n, h]
+        return C.split_v_autograd(y_gathered, self.state.esp, routed.sizes)  # step 8: ESP-Split [n, h]
+
+    def smart_parts(self, routed: BaselineRouted, placement: Placement):
+        """Pairwise steps over `ep`; each step's partial sums are ESP-AllReduced before going back."""
+        from megatron_moe.moe.schedules.smart import SmartPlan
+
+        send, ctx = self._send_rows(routed, placement)
+        plan = SmartPlan(self.state.ep, ctx.send_splits, ctx.recv_splits, self.cfg.moe.smart_group_size, placement,
+                         self.state.ep.rank)
+        return send, ctx, plan, lambda out: reduce_from_tp_region(out, self.state.esp)
+
+    def smart_finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
+        return self._finish(returned, ctx)

@@ -278,16 +278,28 @@ class ParmSchedule(Schedule):
         """SAA is S2's combine (§III-D); S1 has no MP-AllGather of expert outputs to overlap."""
         return self.cfg.moe.saa and routed.choice == "s2"
 
-    def dispatch(self, routed: ParmRouted, placement: Placement) -> Tuple[ExpertBatch, Tuple]:
+    def parm_routed(self, routed) -> ParmRouted:
+        """The S1 / S2 routing this forward runs (auto: the one `place` chose)."""
+        return routed
+
+    def _rows(self, routed: ParmRouted) -> torch.Tensor:
+        """[m, h] the kept assignments' rows of `routed.tokens`, in `routed.slots` order."""
+        return routed.tokens.index_select(0, routed.slots // routed.weights.shape[1])
+
+    def dispatch(self, routed, placement: Placement) -> Tuple[ExpertBatch, Tuple]:
+        routed = self.parm_routed(routed)
         exchange = EpEspExchange(self.state, placement, routed.piece_rows, self.uses_saa(routed), routed.tokens.device)
-        rows = routed.tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h]
         p = self.state.ep.rank
-        batch = ExpertBatch(_Exchange.apply(rows, exchange, "down"), placement.experts_on(p), placement.expert_counts(p))
+        batch = ExpertBatch(_Exchange.apply(self._rows(routed), exchange, "down"), placement.experts_on(p),
+                            placement.expert_counts(p))
         return batch, (routed, exchange)
 
     def combine(self, expert_output: torch.Tensor, ctx: Tuple[ParmRouted, EpEspExchange]) -> torch.Tensor:
         routed, exchange = ctx
-        rows = _Exchange.apply(expert_output, exchange, "up")  # [m, h] aligned with routed.slots
+        return self._finish(_Exchange.apply(expert_output, exchange, "up"), routed)  # rows aligned with slots
+
+    def _finish(self, rows: torch.Tensor, routed: ParmRouted) -> torch.Tensor:
+        """Rows [m, h] aligned with `routed.slots` -> gate-weighted combine (+ S1's MP-AllGather) [n, h]."""
         k = routed.weights.shape[1]
         weighted = rows * routed.weights.flatten().index_select(0, routed.slots).unsqueeze(1)
         y = weighted.new_zeros((routed.tokens.shape[0], weighted.shape[1])).index_add(0, routed.slots // k, weighted)
@@ -295,7 +307,29 @@ class ParmSchedule(Schedule):
             y = C.all_gather_v_autograd(y, self.state.tp, routed.token_sizes, backward="split")
         return y  # [n, h]
 
-    def stats(self, routed: ParmRouted, placement: Placement) -> MoEStats:
+    def smart_parts(self, routed, placement: Placement):
+        """Pairwise steps over `ep_esp`, an EP rank's shard holders in one fine-grained group; S2's
+        MP-Split / MP-AllGather and the local Dump / Combine stay outside (plain autograd)."""
+        from megatron_moe.moe.schedules.smart import SmartPlan
+
+        routed, state = self.parm_routed(routed), self.state
+        exchange = EpEspExchange(state, placement, routed.piece_rows, False, routed.tokens.device)
+        rows = self._rows(routed)
+        if routed.piece_rows is not None:  # S2's MP-Split (backward: all-gather of the pieces' gradients)
+            rows = C.split_v_autograd(rows, state.tp, routed.piece_rows)
+        plan = SmartPlan(state.ep_esp, exchange.send_splits, exchange.recv_splits,
+                         self.cfg.moe.smart_group_size * state.esp_size, placement, state.ep.rank)
+        return rows.index_select(0, exchange.dump), (routed, exchange, rows.shape), plan, lambda out: out
+
+    def smart_finish(self, returned: torch.Tensor, ctx) -> torch.Tensor:
+        routed, exchange, shape = ctx
+        rows = returned.new_zeros(shape).index_add(0, exchange.dump, returned)  # local Combine of the N_ESP partials
+        if routed.piece_rows is not None:  # S2's MP-AllGather, used alike on every TP rank
+            rows = C.all_gather_v_autograd(rows, self.state.tp, routed.piece_rows, backward="split")
+        return self._finish(rows, routed)
+
+    def stats(self, routed, placement: Placement) -> MoEStats:
+        routed = self.parm_routed(routed)
         return MoEStats(routed.routing.tokens_per_expert, routed.dropped, placement.tokens_per_ep_rank(), routed.choice,
                         placement.num_replicas)
 
@@ -386,8 +420,5 @@ class Auto(ParmSchedule):
         return choose_schedule(self.profile, x.shape[0], x.shape[1], float(assignments[0]), state.tp_size,
                                state.esp_size, self.cfg.moe.saa, assignments_s2=float(assignments[1]))
 
-    def dispatch(self, routed: AutoRouted, placement: Placement):
-        return super().dispatch(routed.chosen, placement)
-
-    def stats(self, routed: AutoRouted, placement: Placement) -> MoEStats:
-        return super().stats(routed.chosen, placement)
+    def parm_routed(self, routed: AutoRouted) -> ParmRouted:
+        return routed.chosen
