@@ -6,12 +6,18 @@
 Rows: baseline (Parm Fig. 3(a), DeepSpeed-MoE style), s1, s2 (AAS), s2_saa, auto (Alg. 1 with
 --profile, S2 with AAS), auto_saa (S2 with SAA) and auto_saa_s1_phased: auto + SAA as it ran
 before review issue #15 item 5, S1's combine through SAA's phased point-to-point exchange instead
-of its plain all-to-all (kept to measure that fix in the same run). Every layer gets the same
+of its plain all-to-all (kept to measure that fix in the same run); and `deepspeed`,
+DeepSpeed-MoE's own layer on the same gate and expert weights, whenever `deepspeed` is importable
+(`pip install deepspeed`; EP + DP layouts, gelu, no --skew; otherwise the JSON config's
+`deepspeed_row` says why it is absent; its time only, as its collectives bypass our counters). Every layer gets the same
 weights (seeded) and every data-parallel rank its own tokens. Each schedule row runs once per
---balancer (rows named `<schedule>+<balancer>` for balancers other than none) and, with --smart,
+--balancer (rows named `<schedule>+<balancer>` for balancers other than none; `proprophet:overlap`
+is Pro-Prophet with its block-wise scheduler) and, with --smart,
 also with FasterMoE's smart schedule (`+smart`, rows without SAA). --skew S adds a
 fixed Zipf(S) bias, -S ln(e + 1), to every router's logits (`Router.logit_bias`, a measurement
-hook: expert 0 most popular), so balancers have imbalance to fix. Without --profile, the rows
+hook: expert 0 most popular), so balancers have imbalance to fix. --layers N runs N MoE layers
+in a row (each with its own weights), so cross-layer scheduling (Pro-Prophet's Trans prefetch)
+has a layer before to overlap with; per-row loads and replicas are then summed over the layers. Without --profile, the rows
 that need a hardware profile (auto, fastermoe) use one calibrated on these ranks
 (`perf/calibrate.py`, cached). Repetitions are interleaved (rep 1 of every row, then rep 2, ...) so
 that load drifts hit every row alike; a repetition's time is the slowest rank's.
@@ -32,6 +38,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -39,6 +46,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.moe.cross_layer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.parm import Auto
 from megatron_moe.perf.calibrate import resolve_hardware_profile
@@ -80,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balancer", default="none", help="comma-separated balancers, each run with every row")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of a fixed router-logit bias (0 = none)")
     p.add_argument("--min-shadow", type=int, default=0, help="moe.fastermoe.min_shadow")
+    p.add_argument("--min-replicas", type=int, default=0, help="moe.proprophet.min_replicas")
+    p.add_argument("--layers", type=int, default=1,
+                   help="MoE layers in a row (>= 2 for Pro-Prophet's cross-layer Trans prefetch)")
     p.add_argument("--smart", action="store_true",
                    help="also run every row without SAA with FasterMoE's smart schedule (rows '<name>+smart')")
     p.add_argument("--smart-group-size", type=int, default=1, help="moe.smart_group_size")
@@ -94,13 +105,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.rows) - ROWS.keys()
     if unknown or "baseline" not in args.rows:
         p.error(f"--rows: unknown {sorted(unknown)} (choose from {', '.join(ROWS)}; baseline is required)")
-    if "none" not in args.balancer or set(args.balancer) - set(BALANCERS.names()):
-        p.error(f"--balancer: choose from {', '.join(BALANCERS.names())} (none is required)")
+    known = set(BALANCERS.names()) | set(BALANCER_VARIANTS)
+    if "none" not in args.balancer or set(args.balancer) - known:
+        p.error(f"--balancer: choose from {', '.join(sorted(known))} (none is required)")
+    if args.layers < 1:
+        p.error("--layers must be >= 1")
     return args
+
+
+BALANCER_VARIANTS = {"proprophet:overlap": "proprophet"}  # + Pro-Prophet's block-wise scheduler (Alg. 2)
 
 
 def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: bool = False) -> Config:
     cfg = Config()
+    cfg.moe.proprophet.overlap = balancer == "proprophet:overlap"
+    cfg.moe.proprophet.min_replicas = args.min_replicas
+    balancer = BALANCER_VARIANTS.get(balancer, balancer)
     m, moe = cfg.model, cfg.moe
     m.hidden_size, m.activation, m.seq_length = args.hidden, args.activation, args.seq
     moe.num_experts, moe.top_k, moe.capacity_factor = args.experts, args.top_k, args.capacity_factor
@@ -112,16 +132,76 @@ def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: 
     return cfg
 
 
-def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> MoELayer:
+class LayerStack(torch.nn.Module):
+    """--layers MoE layers in a row (x -> layer 1 -> ... -> layer N), linked for cross-layer
+    scheduling (`moe/cross_layer.py`); `last_stats`: loads and replicas summed over the layers."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        link_moe_layers(list(self.layers))
+
+    def forward(self, x):
+        aux = 0.0
+        for layer in self.layers:
+            x, layer_aux = layer(x)
+            aux = aux + layer_aux
+        return x, aux
+
+    @property
+    def last_stats(self):
+        stats = [layer.last_stats for layer in self.layers]
+        return replace(stats[0], tokens_per_ep_rank=sum(s.tokens_per_ep_rank for s in stats),
+                       replicas=sum(s.replicas for s in stats))
+
+
+def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> LayerStack:
     schedule, saa = ROWS[row]
     cfg = layer_config(args, schedule, saa, balancer, smart)
-    layer = MoELayer(cfg, state, layer_index=0)
-    if row == "auto_saa_s1_phased":
-        layer.schedule = AutoWithPhasedS1(cfg, state)
-    if args.skew:
-        layer.router.logit_bias = -args.skew * torch.log(torch.arange(1, args.experts + 1, dtype=torch.float32))
-    init_model_from_seed_(layer, args.seed, state)
-    return layer.to(device)
+    layers = []
+    for index in range(args.layers):
+        layer = MoELayer(cfg, state, layer_index=index)
+        if row == "auto_saa_s1_phased":
+            layer.schedule = AutoWithPhasedS1(cfg, state)
+        if args.skew:
+            layer.router.logit_bias = -args.skew * torch.log(torch.arange(1, args.experts + 1, dtype=torch.float32))
+        init_model_from_seed_(layer, args.seed + index, state)
+        layers.append(layer)
+    return LayerStack(layers).to(device)
+
+
+def deepspeed_row(args, baseline: MoELayer, state):
+    """DeepSpeed-MoE's layer (`deepspeed.moe.layer.MoE`, GShard top-2 without sampling) on the
+    baseline row's weights -> (module, None), or (None, why there is no row). Same gate and expert
+    weights, so its output matches the baseline's up to float rounding when dropless (with a
+    capacity, DeepSpeed drops by location: first choices before second, so drops may differ)."""
+    try:
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+    except ImportError:
+        return None, "deepspeed is not importable"
+    why = [reason for reason, bad in [
+        ("tensor/expert_shard > 1 (DeepSpeed-MoE here: EP + DP only)", args.tensor * args.expert_shard > 1),
+        ("activation swiglu (its expert is Linear-GELU-Linear here)", args.activation != "gelu"),
+        ("--skew (its gate takes no logit bias)", args.skew), ("top-k > 2", args.top_k > 2),
+        ("--gate other than softmax", args.gate != "softmax"), ("--layers > 1", args.layers > 1)] if bad]
+    if why:
+        return None, "; ".join(why)
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    h, f = args.hidden, args.ffn
+    expert = torch.nn.Sequential(torch.nn.Linear(h, f), torch.nn.GELU(), torch.nn.Linear(f, h))
+    dropless = args.capacity_factor is None
+    moe = MoE(h, expert, num_experts=args.experts, ep_size=args.expert, k=args.top_k,
+              capacity_factor=args.capacity_factor or 1.0, eval_capacity_factor=args.capacity_factor or 1.0,
+              min_capacity=0, drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
+    moe.set_deepspeed_parallelism()
+    ours = baseline.experts
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.copy_(baseline.router.weight)
+        for e, (fc1, _, fc2) in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            fc1.weight.copy_(ours.w1[e].t()), fc2.weight.copy_(ours.w2[e].t())
+            fc1.bias.copy_(ours.b1[e]), fc2.bias.copy_(ours.b2[e])
+    return moe, None
 
 
 def bytes_of_kind(counters: dict, kind: str) -> int:
@@ -149,7 +229,7 @@ def main(argv=None) -> int:
     x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device)
     grad = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device)
     if args.profile is None:  # one profile, calibrated here (or cached), for every row that needs one
-        every_need = layer_config(args, "auto", False, "fastermoe" if "fastermoe" in args.balancer else "none")
+        every_need = layer_config(args, "auto", False, "fastermoe" if set(args.balancer) - {"none"} else "none")
         args.profile = resolve_hardware_profile(every_need, state, device, say=lambda msg: print(msg, flush=True),
                                                 run_dir_copy=False).perf.hardware_profile
     variants = [(row, b, smart) for smart in ([False, True] if args.smart else [False]) for b in args.balancer
@@ -172,16 +252,32 @@ def main(argv=None) -> int:
         outputs.setdefault(name, (y.detach(), inp.grad))
         layer.zero_grad(set_to_none=True)
 
+    deepspeed, deepspeed_skipped = deepspeed_row(args, layers["baseline"].layers[0], state)
+    if deepspeed is not None:
+        deepspeed, times["deepspeed"] = deepspeed.to(device), []
+        aux_coeff = layer_config(args, "baseline", False).moe.aux_loss_coeff
+
+        def step_deepspeed():
+            inp = x.clone().requires_grad_(True)
+            y, aux, _ = deepspeed(inp)
+            ((y * grad).sum() + aux_coeff * aux).backward()
+            outputs.setdefault("deepspeed", (y.detach(), inp.grad))
+            deepspeed.zero_grad(set_to_none=True)
+
     for rep in range(args.warmup + args.reps):
-        for name in layers:
-            seconds = slowest_rank_seconds(lambda: step(name), state)
+        for name in times:
+            seconds = slowest_rank_seconds(step_deepspeed if name == "deepspeed" else lambda: step(name), state)
             if rep >= args.warmup:
                 times[name].append(seconds * 1e3)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     results = {}
-    for name in layers:
+    for name in times:
         diff = max(float((a - b).abs().max()) for a, b in zip(outputs[name], outputs["baseline"]))
         diff = float(C.all_reduce(torch.tensor([diff], dtype=torch.float64), state.world, op="max"))
+        if name == "deepspeed":  # its collectives bypass ours: no byte or wait counters
+            results[name] = {"ms_median": round(medians[name], 3), "max_abs_diff_vs_baseline": diff,
+                             "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3)}
+            continue
         timed = comm_times[name][args.warmup:] or comm_times[name]
         load = C.all_reduce(loads[name].double(), state.edp)  # [ep] rows per EP rank, all ep_esp groups
         results[name] = {
@@ -197,11 +293,14 @@ def main(argv=None) -> int:
         }
         if ROWS[name.split("+")[0]][0] == "auto":
             results[name]["picked"] = picked[name]
-    config = dict(vars(args), world_size=state.world_size, data_parallel=state.dp_size, device=str(device))
+    config = dict(vars(args), world_size=state.world_size, data_parallel=state.dp_size, device=str(device),
+                  deepspeed_row=deepspeed_skipped or "present")
     if state.rank == 0:
         for name, r in results.items():
             print(f"{name:28s} {r['ms_median']:9.2f} ms  x{r['speedup_vs_baseline']:.2f}  "
-                  f"balance {r['balance_ratio']:.3f}  replicas {r['replicas']}", flush=True)
+                  f"balance {r.get('balance_ratio', '-')}  replicas {r.get('replicas', '-')}", flush=True)
+        if deepspeed_skipped:
+            print(f"no deepspeed row: {deepspeed_skipped}", flush=True)
         print(json.dumps({"config": config, "results": results}), flush=True)
     C.destroy_process_group()
     return 0

@@ -38,6 +38,15 @@ class FasterMoEConfig:
 
 
 @dataclass
+class ProProphetConfig:
+    alpha: float = 0.5  # Eq. 7: the search stops once max H - min H < alpha x (assignments / experts)
+    plan_interval: int = 1  # search every N iterations on the last forward's distribution (locality, §III)
+    bottom_k: int = 0  # Alg. 1's n: devices with the fewest rows of a selected expert that do not get it
+    overlap: bool = False  # block-wise scheduler (Alg. 2): Plan during the all-to-all, Trans one block early, Eq. 8
+    min_replicas: int = 0  # place at least k experts on several devices every forward, whatever Eq. 6 says (tests)
+
+
+@dataclass
 class TopologyGateConfig:
     # W_net / W_local: inter- over intra-node bandwidth per rank; a rank may send L = ratio / M x its
     # assignments to other nodes (M = parallel.ranks_per_node), the rest re-select on their node
@@ -57,6 +66,7 @@ class MoEConfig:
     balancer: str = "none"  # registry: moe/balancers
     saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)
     fastermoe: FasterMoEConfig = field(default_factory=FasterMoEConfig)  # moe.balancer=fastermoe (docs/balancers.md)
+    proprophet: ProProphetConfig = field(default_factory=ProProphetConfig)  # moe.balancer=proprophet (docs/balancers.md)
     gate: str = "softmax"  # registry moe.gate: softmax | topology (FasterMoE §4.3: changes routing)
     topology_gate: TopologyGateConfig = field(default_factory=TopologyGateConfig)  # moe.gate=topology
     smart_schedule: bool = False  # FasterMoE §4.2: all-to-all + experts + all-to-all as pipelined pairwise steps

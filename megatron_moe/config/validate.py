@@ -217,6 +217,14 @@ def _check_parm(cfg: Config) -> None:
                           f"parallel.expert={par.expert}")
     if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
         raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
+    pp = moe.proprophet
+    for key, value, ok, rule in [("alpha", pp.alpha, pp.alpha >= 0, ">= 0"),
+                                 ("plan_interval", pp.plan_interval, pp.plan_interval >= 1, ">= 1"),
+                                 ("bottom_k", pp.bottom_k, pp.bottom_k >= 0, ">= 0"),
+                                 ("min_replicas", pp.min_replicas, 0 <= pp.min_replicas <= moe.num_experts,
+                                  "in [0, moe.num_experts]")]:
+        if not ok:
+            raise ConfigError(f"moe.proprophet.{key}={value} must be {rule}")
     if profile:
         loaded = load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed
         for ops, who in profile_needs(cfg):
@@ -226,10 +234,13 @@ def _check_parm(cfg: Config) -> None:
 def profile_needs(cfg: Config):
     """[(hardware profile ops, the config key=value that needs them)] for `cfg`'s techniques."""
     from megatron_moe.perf.hardware import BALANCER_OPS, PARM_OPS
+    from megatron_moe.perf.proprophet_model import PROPROPHET_OPS
 
     needs = []
     if cfg.moe.schedule == "auto":
         needs.append((PARM_OPS, "moe.schedule=auto"))
     if cfg.moe.balancer == "fastermoe":
         needs.append((BALANCER_OPS, "moe.balancer=fastermoe"))
+    if cfg.moe.balancer == "proprophet":
+        needs.append((PROPROPHET_OPS, "moe.balancer=proprophet"))
     return needs

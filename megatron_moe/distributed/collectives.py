@@ -21,6 +21,10 @@ reports no completion time). Exposed < total is communication hidden behind othe
 All-to-all and point-to-point ops also count the bytes they send to ranks on other nodes
 (`RankLayout.ranks_per_node`, `parallel.ranks_per_node`) in `COMM_STATS.inter_node`.
 
+A caller that wants its own ops' times apart (an MoE layer's *Trans* / *Agg*) passes a `TimeSink`
+to the async ops; `Pending.wait()` adds to it as well. `all_to_all_v(..., while_in_flight=fn)`
+runs `fn` while the all-to-all is in flight (Pro-Prophet's `Plan`, Alg. 2 line 6).
+
 Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
 `COMM_STATS.snapshot()` returns the bytes, `COMM_STATS.seconds_by_kind()` the times,
 `COMM_STATS.reset()` clears them. Differentiable wrappers (`all_to_all_v_autograd`, ...) count
@@ -103,6 +107,15 @@ def _by_kind(counter: Dict[str, float]) -> Dict[str, float]:
 
 
 COMM_STATS = CommStats()
+
+
+class TimeSink(dict):
+    """{kind: [exposed seconds, total seconds]} of the async ops issued with it."""
+
+    def add(self, kind: str, exposed: float, total: float) -> None:
+        entry = self.setdefault(kind, [0.0, 0.0])
+        entry[0] += exposed
+        entry[1] += total
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -236,10 +249,12 @@ class Pending:
     total time (module docstring) once, and returns `result()` (None for point-to-point)."""
 
     def __init__(self, kind: str, group: Optional[Group], works: Sequence, result: Callable[[], object] = lambda: None,
-                 issued_at: float = 0.0, issue_seconds: float = 0.0, keep: object = None):
+                 issued_at: float = 0.0, issue_seconds: float = 0.0, keep: object = None,
+                 sink: Optional[TimeSink] = None):
         self.kind, self.group, self.works, self._result = kind, group, list(works), result
         self.issued_at, self.issue_seconds = issued_at, issue_seconds
         self._keep = keep  # the tensors in flight stay alive until wait()
+        self._sink = sink
         self._done = False
 
     @classmethod
@@ -255,17 +270,20 @@ class Pending:
             end = time.perf_counter()
             if self.group is not None:
                 COMM_STATS.record_time(self.kind, self.group, end - self.issued_at, self.issue_seconds + end - start)
+                if self._sink is not None:
+                    self._sink.add(self.kind, self.issue_seconds + end - start, end - self.issued_at)
             self._done, self._keep, self.works = True, None, []
         return self._result()
 
 
 def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequence],
-           result: Callable[[], object] = lambda: None, keep: object = None, inter_node: int = 0) -> Pending:
+           result: Callable[[], object] = lambda: None, keep: object = None, inter_node: int = 0,
+           sink: Optional[TimeSink] = None) -> Pending:
     """Count `nbytes`, start the async ops and return their handle (holding `keep` until done)."""
     COMM_STATS.record_bytes(kind, group, nbytes, inter_node)
     issued_at = time.perf_counter()
     works = start_ops()
-    return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at, keep)
+    return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at, keep, sink)
 
 
 def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: str = "all_gather") -> Pending:
@@ -297,17 +315,30 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
 
 
 def all_to_all_v(t: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,
-                 kind: str = "all_to_all") -> torch.Tensor:
+                 kind: str = "all_to_all", while_in_flight: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Send rows `send_splits[i]` of `t` (dim 0, in order) to rank i of `group`; receive
-    `recv_splits[i]` rows from rank i. `kind` lets a caller label the traffic (counted bytes)."""
+    `recv_splits[i]` rows from rank i. `kind` lets a caller label the traffic (counted bytes).
+    `while_in_flight`: work to run on this thread while the all-to-all is in flight (asynchronous
+    then; still exactly one all-to-all)."""
     if group.size == 1:
+        if while_in_flight is not None:
+            while_in_flight()
         return t
     t = t.contiguous()
     out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
     inter = _off_node_bytes(group, [(i, n * _row_bytes(t)) for i, n in enumerate(send_splits)])
-    with _timed(kind, group, _nbytes(t), inter):
-        dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
-                               input_split_sizes=list(send_splits), group=group.handle)
+
+    def start(async_op: bool):
+        return dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=group.handle, async_op=async_op)
+
+    if while_in_flight is None:
+        with _timed(kind, group, _nbytes(t), inter):
+            start(False)
+        return out
+    pending = _issue(kind, group, _nbytes(t), lambda: [start(True)], keep=t, inter_node=inter)
+    while_in_flight()
+    pending.wait()
     return out
 
 
@@ -333,26 +364,28 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
     return t
 
 
-def broadcast_async(t: torch.Tensor, src_index: int, group: Group, kind: str = "broadcast") -> Pending:
+def broadcast_async(t: torch.Tensor, src_index: int, group: Group, kind: str = "broadcast",
+                    sink: Optional[TimeSink] = None) -> Pending:
     """Start an in-place broadcast of `t` from rank `src_index` of `group`; `wait()` before reading `t`."""
     if group.size == 1:
         return Pending.completed()
     nbytes = _nbytes(t) * (group.size - 1) if group.rank == src_index else 0
     return _issue(kind, group, nbytes, lambda: [dist.broadcast(t, src=group.global_rank(src_index), group=group.handle,
-                                                                async_op=True)], keep=t)
+                                                                async_op=True)], keep=t, sink=sink)
 
 
-def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "reduce") -> Pending:
+def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "reduce",
+                 sink: Optional[TimeSink] = None) -> Pending:
     """Start a sum of every rank's `t` into `t` on rank `dst_index` of `group` (others' `t` undefined after)."""
     if group.size == 1:
         return Pending.completed()
     nbytes = 0 if group.rank == dst_index else _nbytes(t)
     return _issue(kind, group, nbytes, lambda: [dist.reduce(t, dst=group.global_rank(dst_index), op=dist.ReduceOp.SUM,
-                                                             group=group.handle, async_op=True)], keep=t)
+                                                             group=group.handle, async_op=True)], keep=t, sink=sink)
 
 
 def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-                 group: Group, kind: str = "send", tag: int = 0) -> Pending:
+                 group: Group, kind: str = "send", tag: int = 0, sink: Optional[TimeSink] = None) -> Pending:
     """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
     (batch_isend_irecv, as NCCL needs) and return one handle to wait on. Counts the bytes sent as
     `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself.
@@ -363,29 +396,32 @@ def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tupl
     if not ops:
         return Pending.completed()
     return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops), keep=ops,
-                  inter_node=_off_node_bytes(group, [(i, _nbytes(t)) for i, t in sends]))
+                  inter_node=_off_node_bytes(group, [(i, _nbytes(t)) for i, t in sends]), sink=sink)
 
 
 # ---- differentiable wrappers --------------------------------------------------------------------
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, kind):
+    def forward(ctx, x, send_splits, recv_splits, group, kind, while_in_flight):
         ctx.save = (send_splits, recv_splits, group, kind)
-        return all_to_all_v(x, send_splits, recv_splits, group, kind)
+        return all_to_all_v(x, send_splits, recv_splits, group, kind, while_in_flight)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits, group, kind = ctx.save
-        return all_to_all_v(grad, recv_splits, send_splits, group, kind), None, None, None, None
+        return all_to_all_v(grad, recv_splits, send_splits, group, kind), None, None, None, None, None
 
 
 def all_to_all_v_autograd(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,
-                          kind: str = "all_to_all") -> torch.Tensor:
-    """all_to_all_v whose backward is the reverse all_to_all_v."""
+                          kind: str = "all_to_all", while_in_flight: Optional[Callable[[], None]] = None
+                          ) -> torch.Tensor:
+    """all_to_all_v whose backward is the reverse all_to_all_v (`while_in_flight`: forward only)."""
     if group.size == 1:
+        if while_in_flight is not None:
+            while_in_flight()
         return x
-    return _AllToAllV.apply(x, list(send_splits), list(recv_splits), group, kind)
+    return _AllToAllV.apply(x, list(send_splits), list(recv_splits), group, kind, while_in_flight)
 
 
 def _own_rows(x: torch.Tensor, group: Group, sizes: List[int]) -> torch.Tensor:

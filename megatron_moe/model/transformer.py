@@ -67,6 +67,9 @@ def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = N
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """x `[b, s, h]` through every layer -> (`[b, s, h]`, sum of the MoE layers' aux losses, a 0
     tensor when there are none)."""
+    from megatron_moe.moe.cross_layer import link_moe_layers  # lazy: the MoE package builds on the model package
+
+    link_moe_layers(moe_ffns(layers))
     aux_losses = []
     for layer in layers:
         x, aux_loss = layer(x, padding_mask)

@@ -94,15 +94,9 @@ class Experts(torch.nn.Module):
         """The parameters *Trans* moves for a replica, in a fixed order (moe/replicas.py)."""
         return [p for p in (self.w1, self.w2, self.b1, self.b2) if p is not None]
 
-    def fetch_replicas(self, placement, state: ParallelState):
-        """Start *Trans* of the replica weights `placement` needs (or None if it has no replica)."""
-        from megatron_moe.moe.replicas import fetch_replicas
-
-        return fetch_replicas(self, placement, state)
-
     def forward(self, batch: ExpertBatch, replicas=None, grad_scale: float = 1.0) -> torch.Tensor:
         """[m, h] rows -> [m, h] partial sums of this ESP shard (b2 slice included). `replicas`:
-        `fetch_replicas`'s result for the placement the batch came from. `grad_scale` multiplies
+        `moe/replicas.py` `fetch_replicas`'s result for the placement the batch came from. `grad_scale` multiplies
         the weights' gradients (the schedule's redundancy correction), replicas' included."""
         owned = self.owned_expert_ids
         if batch.expert_ids[: self.num_local] != owned:

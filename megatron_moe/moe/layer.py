@@ -30,11 +30,15 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_moe.config.schema import Config
+from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.moe import cross_layer
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
+from megatron_moe.moe.replicas import fetch_replicas
 from megatron_moe.moe.router import GATES
 from megatron_moe.moe.schedules import SCHEDULES
+from megatron_moe.moe.schedules.base import RunHooks
 from megatron_moe.moe.stats import MoEStats
 
 
@@ -46,12 +50,34 @@ class MoELayer(torch.nn.Module):
         self.experts = Experts(cfg, state)
         self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
         self.balancer = BALANCERS.get(cfg.moe.balancer)(cfg, state)
+        self.state = state
         self.last_stats: Optional[MoEStats] = None
+        # cross-layer scheduling (moe/cross_layer.py): the next MoE layer, Trans it got early
+        self.next_moe: Optional["MoELayer"] = None
+        self.prefetched, self.prefetched_rest = None, None
+        self.replica_times = C.TimeSink()  # this forward's Trans / Agg times
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         b, s, h = x.shape
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
         placement = self.schedule.place(routed, self.balancer)
-        y = self.schedule.run(routed, placement, self.experts)  # [b*s, h]
-        self.last_stats = self.schedule.stats(routed, placement)
+        if self.prefetched is None:
+            self.replica_times = C.TimeSink()
+        replicas = cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
+        if replicas is None:
+            replicas = fetch_replicas(self.experts, placement, self.state, self.replica_times)  # Trans starts
+        self.balancer.last_plan_seconds = 0.0
+        observe = None
+        if torch.is_grad_enabled():  # training forwards teach the balancer (evaluation does not)
+            counts, sources = placement.routing_table.sum(2), self.schedule.source_ep_ranks()
+            observe = lambda: self.balancer.observe(counts, sources)  # noqa: E731
+            if not self.balancer.plans_during_dispatch:
+                observe()
+                observe = None
+        hooks = RunHooks(observe, lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()))
+        y = self.schedule.run(routed, placement, self.experts, replicas, hooks)  # [b*s, h]
+        cross_layer.after_layer(self)
+        stats = self.schedule.stats(routed, placement)
+        stats.plan_seconds, stats.replica_times = self.balancer.last_plan_seconds, self.replica_times
+        self.last_stats = stats
         return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss

@@ -59,7 +59,8 @@ class Placement:
         pair_experts, pair_ranks = torch.tensor(pairs, dtype=torch.long).t()
         allowed = torch.zeros(table.shape[1:], dtype=torch.bool)  # [E, ep]
         allowed[pair_experts, pair_ranks] = True
-        if table[:, ~allowed].any():
+        # counts are >= 0: the largest over sources [E, ep] first (the table may be large)
+        if table.amax(0)[~allowed].any():
             raise ValueError("Placement: routing_table sends tokens to a rank that is no replica")
         object.__setattr__(self, "_pairs", (pair_experts, pair_ranks))  # (expert, rank) in replica order
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -22,6 +22,17 @@ class MoEStats:
     schedule: str = ""
     # expert replicas beyond the owners in this forward's placement (`Placement.num_replicas`)
     replicas: int = 0
+    # seconds the balancer spent planning in this forward (Pro-Prophet's `Plan`)
+    plan_seconds: float = 0.0
+    # {"trans" | "agg": [exposed, total] seconds} of this layer's replica traffic; Agg's entries
+    # are filled in by the backward pass (read it after backward)
+    replica_times: Optional[Dict[str, List[float]]] = None
+
+    def timing(self) -> List[float]:
+        """[plan, trans exposed, trans total, agg exposed, agg total] seconds."""
+        times = self.replica_times or {}
+        trans, agg = times.get("trans", [0.0, 0.0]), times.get("agg", [0.0, 0.0])
+        return [self.plan_seconds, trans[0], trans[1], agg[0], agg[1]]
 
     @property
     def load_imbalance(self) -> float:
@@ -43,6 +54,8 @@ class IterationMoEStats:
     schedules: List[Counter] = field(default_factory=list)
     replicas: torch.Tensor = None  # Long[L] expert replicas beyond the owners, summed over forwards
     forwards: int = 1  # micro-batch forwards summed
+    # Double[L, 5] seconds summed over forwards: plan, trans exposed / total, agg exposed / total
+    timing: torch.Tensor = None
 
     @classmethod
     def of(cls, stats: List[MoEStats]) -> "IterationMoEStats":
@@ -50,10 +63,12 @@ class IterationMoEStats:
         return cls(torch.stack([s.tokens_per_expert.cpu() for s in stats]),
                    torch.tensor([s.dropped for s in stats], dtype=torch.long),
                    torch.stack([s.tokens_per_ep_rank.cpu() for s in stats]),
-                   [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]))
+                   [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]),
+                   timing=torch.tensor([s.timing() for s in stats], dtype=torch.float64))
 
     def __add__(self, other: "IterationMoEStats") -> "IterationMoEStats":
         return IterationMoEStats(self.tokens_per_expert + other.tokens_per_expert, self.dropped + other.dropped,
                                  self.tokens_per_ep_rank + other.tokens_per_ep_rank,
                                  [a + b for a, b in zip(self.schedules, other.schedules)],
-                                 self.replicas + other.replicas, self.forwards + other.forwards)
+                                 self.replicas + other.replicas, self.forwards + other.forwards,
+                                 self.timing + other.timing)

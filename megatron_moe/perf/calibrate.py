@@ -62,6 +62,12 @@ class ExpertShape:
     def flops_per_row(self) -> float:
         return 2.0 * self.hidden * self.ffn * (3 if self.gated else 2)
 
+    def params(self, bias: bool, esp_size: int) -> int:
+        """Elements of one expert shard's parameters: w1 [h, (2,) f], w2 [f, h], b1 [(2,) f] and
+        b2's h / N_ESP slice (what *Trans* moves and *Agg* sums)."""
+        width = self.ffn * (2 if self.gated else 1)
+        return self.hidden * (width + self.ffn) + ((width + self.hidden // esp_size) if bias else 0)
+
 
 def geometric_sizes(min_elements: int, max_elements: int, points: int) -> List[int]:
     ratio = (max_elements / min_elements) ** (1 / max(1, points - 1))

@@ -9,7 +9,10 @@ the forward, backward and gradient sync; the metric collectives after them are n
 by them / their whole span; they differ where communication overlaps other work, e.g. SAA) and
 ``time_ms`` ({forward, backward, optimizer, comm_wait = all exposed communication}), and per-MoE-layer lists
 ``expert_load_imbalance`` (FlexMoE Eq. 6 balance ratio: max/mean over EP ranks),
-``balance_degree`` (Pro-Prophet: std of the per-expert load) and ``dropped_fraction``;
+``balance_degree`` (Pro-Prophet: std of the per-expert load), ``dropped_fraction``,
+``moe_replicas`` (expert replicas beyond the owners per forward), ``plan_ms`` (the balancer's
+planning time) and ``trans_exposed_ms`` / ``trans_total_ms`` / ``agg_exposed_ms`` /
+``agg_total_ms`` (the layer's replica weight and gradient traffic; slowest rank);
 TensorBoard gets those as ``<field>/<key>`` and ``<field>/layer<i>``.
 """
 from __future__ import annotations

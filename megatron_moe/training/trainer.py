@@ -44,6 +44,10 @@ def training_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
+# per-MoE-layer time columns of `IterationMoEStats.timing`, in metrics.jsonl (ms)
+TIMING_KEYS = ("plan_ms", "trans_exposed_ms", "trans_total_ms", "agg_exposed_ms", "agg_total_ms")
+
+
 class Trainer:
     def __init__(self, cfg: Config, state: ParallelState, model_cls: Optional[type] = None,
                  datasets: Optional[Callable] = None):
@@ -110,7 +114,7 @@ class Trainer:
         """Per-MoE-layer load metrics of the iteration (same on every rank); keeps the per-source
         counts in `routed_per_source` for routing traces and the heatmap."""
         if moe is None:
-            return {"expert_load_imbalance": [], "moe_replicas": []}
+            return {"expert_load_imbalance": [], "moe_replicas": [], **{key: [] for key in TIMING_KEYS}}
         # each ep_esp group counted its own tokens; sum the groups
         loads = collectives.all_reduce(moe.tokens_per_ep_rank.to(self.device), self.state.edp)  # [L, ep]
         local = torch.cat([moe.tokens_per_expert, moe.dropped[:, None]], dim=1)[None]  # [1, L, E + 1]
@@ -120,8 +124,11 @@ class Trainer:
         # replicas per forward, averaged over this iteration's forwards and the ep_esp groups (edp)
         replicas = collectives.all_reduce(moe.replicas.double().to(self.device), self.state.edp)
         replicas = (replicas.cpu() / (moe.forwards * self.state.edp_size)).tolist()
+        # per layer: this iteration's planner and replica-traffic times, the slowest rank's
+        timing = collectives.all_reduce(moe.timing.to(self.device), self.state.world, op="max").cpu() * 1e3  # [L, 5]
         return {"expert_load_imbalance": load_imbalance(loads), **layer_load_metrics(total[:, :-1], total[:, -1]),
-                "moe_schedule": [dict(c) for c in moe.schedules], "moe_replicas": replicas}
+                "moe_schedule": [dict(c) for c in moe.schedules], "moe_replicas": replicas,
+                **{key: timing[:, j].tolist() for j, key in enumerate(TIMING_KEYS)}}
 
     def train_step(self, iteration: int) -> Record:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""

@@ -1,6 +1,7 @@
-"""Balancers through the real entry point (issue #9): FasterMoE shadowing trains exactly like no
-balancer while it replicates experts, and a run that needs a hardware profile without one
-calibrates it at start-up (then reuses the cached one)."""
+"""Balancers through the real entry point (issues #9, #10): FasterMoE shadowing and Pro-Prophet's
+planner (with and without its block-wise scheduler, which prefetches Trans across layers) train
+exactly like no balancer while they replicate experts, and a run that needs a hardware profile
+without one calibrates it at start-up (then reuses the cached one)."""
 import pytest
 
 from megatron_moe.perf.hardware import BALANCER_OPS, PARM_OPS, load_profile
@@ -50,3 +51,24 @@ def test_auto_and_fastermoe_without_a_profile_match_one_process(tmp_path):
     assert profile.fit["layout"] == {"tensor": 2, "expert": 2, "expert_shard": 1}
     assert all(n >= 1.0 for r in got for n in r["moe_replicas"])
     assert all(set(c) <= {"s1", "s2"} for r in got for c in r["moe_schedule"])
+
+
+def test_proprophet_trains_like_no_balancer(tmp_path):
+    """2 MoE layers, expert=2, planner alone and with its scheduler (one reference run): from the
+    second forward on, the plan comes from the forward before (locality) and, with overlap, layer
+    2's Trans is issued during layer 1 in two sub-transfers."""
+    ep2 = ["parallel.expert=2"]
+    none, _ = train(2, TEN + ep2, tmp_path / "none")
+    for overlap in ("false", "true"):
+        planned, _ = train(2, TEN + ep2 + ["moe.balancer=proprophet", "moe.proprophet.min_replicas=1",
+                                          f"moe.proprophet.overlap={overlap}",
+                                          f"perf.calibration_cache={tmp_path / 'profiles'}"],
+                           tmp_path / f"proprophet-{overlap}")
+        _same_curve(planned, none, rel=1e-5)
+        for r in planned:
+            assert len(r["moe_replicas"]) == 2 and all(n >= 1.0 for n in r["moe_replicas"])
+            # rank 0's bytes: it sends Trans of the experts it owns and Agg of those it holds a replica of
+            assert r["comm_bytes"].get("trans", 0) + r["comm_bytes"].get("agg", 0) > 0
+            assert all(t > 0 for t in r["plan_ms"])  # plan_interval 1: a search every iteration
+            for kind in ("trans", "agg"):
+                assert all(0 < e <= t for e, t in zip(r[f"{kind}_exposed_ms"], r[f"{kind}_total_ms"])), (kind, r)

@@ -1,6 +1,7 @@
 """tools/profile_comm.py writes a profile that `moe.schedule: auto` reads; benchmarks/moe_layer.py
 computes the same layer output on every row and moves exactly Parm's volumes (Parm §V-A, §IV).
 Small sizes: this checks results and bytes, not speed (the fit itself: tests/unit/test_calibrate.py)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -92,3 +93,54 @@ def test_benchmark_balancer_rows_fix_skew_exactly():
     expert_params = 32 * 64 + 64 * 32 + 64 + 32  # w1, w2, b1, b2 of one expert (gelu, biases)
     assert shadow["bytes_all_ranks"]["trans/ep"] == shadow["replicas"] * expert_params * 4
     assert shadow["bytes_all_ranks"]["agg/ep"] == shadow["replicas"] * expert_params * 4
+
+
+def test_benchmark_deepspeed_row_computes_the_same_layer():
+    """The `deepspeed` row (issue #9 item 6) appears whenever DeepSpeed is importable and runs
+    DeepSpeed-MoE's layer on the baseline's weights: the same output and input gradient."""
+    stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--rows", "baseline", "--reps", "1",
+                      "--warmup", "0", "--batch", "2", "--seq", "16", "--hidden", "32", "--ffn", "64")
+    out = json.loads(stdout.strip().splitlines()[-1])
+    if importlib.util.find_spec("deepspeed") is None:
+        assert out["config"]["deepspeed_row"] == "deepspeed is not importable" and "deepspeed" not in out["results"]
+    else:
+        assert out["config"]["deepspeed_row"] == "present"
+        assert out["results"]["deepspeed"]["max_abs_diff_vs_baseline"] < 1e-5
+
+
+def test_proprophet_planner_benchmark_reports_speed_and_quality():
+    """benchmarks/proprophet_planner.py (issue #10): the shipped 2-process CPU profile drives the
+    cost model; Alg. 1's plans balance the skewed loads and stay near the exhaustive optimum."""
+    proc = subprocess.run([sys.executable, "benchmarks/proprophet_planner.py", "--sizes", "8x2,64x64", "--reps", "2",
+                           "--quality-cases", "30"], capture_output=True, text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["speed"]) == {"8x2", "64x64"}
+    for size in out["speed"].values():
+        assert size["search_ms"] > 0 and size["placement_ms"] > 0 and size["replicas"] > 0
+        assert size["balance_ratio_after"] < size["balance_ratio_before"]
+        assert size["predicted_ms_after"] < size["predicted_ms_before"]
+    quality = out["quality"]
+    assert quality["cases"] == 30 and 1.0 <= quality["mean_ratio_to_optimum"] < 1.02 and quality["worst_ratio"] < 1.13
+
+
+def test_proprophet_model_check_predicts_eq_1_to_5(tmp_path):
+    """tools/proprophet_model_check.py on 2 processes with a given profile: every op of a placement
+    with a replica is measured, and the predictions are Eq. 1-5 of that profile, by hand."""
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: p\np2p: {alpha: 1.0e-4, beta: 2.0e-9}\nexpert_compute: {alpha: 1.0e-4, beta: 5.0e-11}\n")
+    hidden, ffn, rows = 32, 64, 256
+    stdout = torchrun(2, "tools/proprophet_model_check.py", "--hidden", str(hidden), "--ffn", str(ffn), "--rows",
+                      str(rows), "--skews", "0,1.6", "--reps", "2", "--profile", str(profile))
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["world_size"] == 2 and len(out["cases"]) == 2
+    for case in out["cases"]:
+        assert case["replicas"] >= 1 and all(v > 0 for v in case["measured_ms"].values()), case
+        predicted = case["predicted_ms"]
+        # Eq. 4 = Eq. 5: replicas x (w1 [h, f] + w2 [f, h]) elements x 1/B / D devices
+        assert predicted["trans"] == predicted["agg"] == pytest.approx(
+            case["replicas"] * 2 * hidden * ffn * 2.0e-9 / 2 * 1e3, rel=1e-3)
+        # Eq. 2 >= the balanced share of all rows: E rows x 2 h f x 2 FLOPs x beta / D
+        assert predicted["fec"] >= 2 * rows * 4 * hidden * ffn * 5.0e-11 / 2 * 1e3 * (1 - 1e-3)
+        assert case["predicted_with_alpha_ms"]["a2a"] == pytest.approx(predicted["a2a"] + 0.1, rel=1e-3)
+    assert 0 <= out["mean_rel_error_all"] and set(out["mean_rel_error"]) == {"a2a", "fec", "trans", "agg"}

@@ -5,3 +5,4 @@ BALANCERS = Registry("moe.balancer")
 
 from megatron_moe.moe.balancers import base  # noqa: E402,F401  (registers "none")
 from megatron_moe.moe.balancers import fastermoe  # noqa: E402,F401  (registers "fastermoe")
+from megatron_moe.moe.balancers import proprophet  # noqa: E402,F401  (registers "proprophet")

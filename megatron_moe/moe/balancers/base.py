@@ -19,9 +19,13 @@ from megatron_moe.moe.placement import Placement
 
 
 class Balancer(ABC):
+    plans_during_dispatch = False  # `observe` runs while the dispatch all-to-all is in flight
+    prefetches_trans = False  # the block before issues this layer's Trans (moe/cross_layer.py)
+
     def __init__(self, cfg: Config, state: ParallelState):
         self.num_experts = cfg.moe.num_experts
         self.ep_size = state.ep_size
+        self.last_plan_seconds = 0.0  # time `observe` spent planning in the latest forward
 
     @abstractmethod
     def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
@@ -29,6 +33,10 @@ class Balancer(ABC):
         (identical on every rank that executes the placement); source_ep_ranks[s]: the EP rank
         source s sits on (keeping a source's rows there needs no all-to-all). A pure function of
         its arguments and the balancer's state: Parm `auto` plans two candidates per forward."""
+
+    def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
+        """Called once per training forward with the counts the executed placement dealt out:
+        where a policy learns from this forward for the next ones (Pro-Prophet's `Plan`)."""
 
 
 @BALANCERS.register("none")

@@ -23,10 +23,10 @@ from typing import List, Sequence
 
 import torch
 
-from megatron_moe.config.validate import expert_ffn_hidden_size
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
+from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.fastermoe_model import ShadowCostModel
 from megatron_moe.perf.hardware import load_profile
 
@@ -69,13 +69,11 @@ class FasterMoE(Balancer):
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
-        m = cfg.model
-        ffn = expert_ffn_hidden_size(cfg) // state.esp_size
-        width = 2 * ffn if m.activation == "swiglu" else ffn
-        params = m.hidden_size * (width + ffn) + ((width + m.hidden_size // state.esp_size) if m.bias else 0)
+        m, shape = cfg.model, expert_shape(cfg, state)
         self.cost = ShadowCostModel.from_profile(load_profile(cfg.perf.hardware_profile),
-                                                 flops_per_row=2.0 * m.hidden_size * (width + ffn),
-                                                 params_per_expert=float(params), hidden=m.hidden_size,
+                                                 flops_per_row=shape.flops_per_row,
+                                                 params_per_expert=float(shape.params(m.bias, state.esp_size)),
+                                                 hidden=m.hidden_size,
                                                  token_term=cfg.moe.fastermoe.token_term)
         self.min_shadow = cfg.moe.fastermoe.min_shadow
 

@@ -4,7 +4,11 @@
 
     routed = schedule.route(router, x)             # gate + the communication that yields counts [S, E]
     placement = schedule.place(routed, balancer)   # balancer.plan(counts, sources) -> Placement
-    y = schedule.run(routed, placement, experts)   # dispatch -> experts -> combine
+    y = schedule.run(routed, placement, experts, replicas, hooks)   # dispatch -> experts -> combine
+
+`replicas` are the placement's replica weights, their *Trans* already issued (`moe/replicas.py`);
+`hooks` (`RunHooks`) let a cross-layer scheduler run work while the dispatch all-to-all is in
+flight and right before the experts compute (`moe/cross_layer.py`, Pro-Prophet Alg. 2).
 
 A schedule owns everything between the replicated hidden states `x` [n, h] and the replicated
 output `y` [n, h]: which tokens each rank routes, the collectives that move them, how partial
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -50,8 +54,28 @@ class Routed:
     counts: torch.Tensor  # Long[S, E] on the CPU: kept assignments per source and expert (balancer.plan's input)
 
 
+@dataclass
+class RunHooks:
+    """Callbacks on one forward of a schedule (both optional, each runs once)."""
+
+    while_dispatching: Optional[Callable[[], None]] = None  # while the dispatch all-to-all is in flight
+    before_experts: Optional[Callable[[], None]] = None  # right before the expert computation
+
+    def in_flight(self) -> Optional[Callable[[], None]]:
+        """`while_dispatching` for a schedule's first all-to-all to run (once)."""
+        fn, self.while_dispatching = self.while_dispatching, None
+        return fn
+
+    def flush(self) -> None:
+        """Run what no all-to-all took (a schedule without one, a group of one)."""
+        fn = self.in_flight()
+        if fn is not None:
+            fn()
+
+
 class Schedule(ABC):
     expert_grad_scale: float = 1.0  # multiplies expert weight gradients
+    hooks: RunHooks = RunHooks()  # this forward's (set by `run`)
 
     def __init__(self, cfg: Config, state: ParallelState):
         self.cfg, self.state = cfg, state
@@ -82,11 +106,19 @@ class Schedule(ABC):
         return MoEStats(routing.tokens_per_expert, routing.dropped, placement.tokens_per_ep_rank(), self.cfg.moe.schedule,
                         placement.num_replicas)
 
-    def run(self, routed: Routed, placement: Placement, experts: Experts) -> torch.Tensor:
-        replicas = experts.fetch_replicas(placement, self.state)  # Trans in flight during the dispatch
+    def run(self, routed: Routed, placement: Placement, experts: Experts, replicas=None,
+            hooks: Optional[RunHooks] = None) -> torch.Tensor:
+        """`replicas`: `moe/replicas.py`'s weights for `placement` (None without replicas)."""
+        self.hooks = hooks or RunHooks()
         if self.cfg.moe.smart_schedule:
+            self.hooks.flush()
+            if self.hooks.before_experts:
+                self.hooks.before_experts()
             return self.run_smart(routed, placement, experts, replicas)
-        batch, ctx = self.dispatch(routed, placement)
+        batch, ctx = self.dispatch(routed, placement)  # its first all-to-all takes `hooks.in_flight()`
+        self.hooks.flush()
+        if self.hooks.before_experts:
+            self.hooks.before_experts()
         return self.combine(experts(batch, replicas, grad_scale=self.expert_grad_scale), ctx)
 
     # -- FasterMoE's smart schedule (schedules/smart.py) --------------------------------------------

@@ -97,7 +97,8 @@ class BaselineSchedule(Schedule):
     def dispatch(self, routed: BaselineRouted, placement: Placement) -> Tuple[ExpertBatch, _CombineContext]:
         ep = self.state.ep
         send, ctx = self._send_rows(routed, placement)
-        received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep)  # step 4
+        received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,
+                                           while_in_flight=self.hooks.in_flight())  # step 4
         ctx.recv_order = placement.receive_order(ep.rank).to(send.device)
         batch = ExpertBatch(received.index_select(0, ctx.recv_order), placement.experts_on(ep.rank),
                             placement.expert_counts(ep.rank))

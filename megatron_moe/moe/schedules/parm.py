@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -150,6 +150,7 @@ class EpEspExchange:
     def __init__(self, state: ParallelState, placement: Placement, piece_rows: Optional[List[int]],
                  saa: bool, device: torch.device):
         self.state, self.piece_rows, self.saa = state, piece_rows, saa
+        self.in_flight: Optional[Callable[[], None]] = None  # run during the next `down`'s all-to-all
         source, p, esp = state.ep_esp.rank, state.ep.rank, state.esp_size
         self.per_ep = placement.send_splits(source)  # [ep] own rows for each EP rank
         send_order = torch.argsort(placement.destinations(source), stable=True)  # by destination EP rank
@@ -169,7 +170,8 @@ class EpEspExchange:
         if self.piece_rows is not None:  # MP-Split (S2)
             rows = rows.narrow(0, self.offset, self.rows)
         received = C.all_to_all_v(rows.index_select(0, self.dump), self.send_splits, self.recv_splits,
-                                  self.state.ep_esp)
+                                  self.state.ep_esp, while_in_flight=self.in_flight)
+        self.in_flight = None  # the forward's dispatch only (RunHooks)
         return received.index_select(0, self.recv_order)
 
     def up(self, out: torch.Tensor) -> torch.Tensor:
@@ -289,6 +291,7 @@ class ParmSchedule(Schedule):
     def dispatch(self, routed, placement: Placement) -> Tuple[ExpertBatch, Tuple]:
         routed = self.parm_routed(routed)
         exchange = EpEspExchange(self.state, placement, routed.piece_rows, self.uses_saa(routed), routed.tokens.device)
+        exchange.in_flight = self.hooks.in_flight()
         p = self.state.ep.rank
         batch = ExpertBatch(_Exchange.apply(self._rows(routed), exchange, "down"), placement.experts_on(p),
                             placement.expert_counts(p))
