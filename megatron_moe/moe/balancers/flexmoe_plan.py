@@ -1,0 +1,298 @@
+"""FlexMoE's vExpert cost model and policy maker as pure numpy planning (issue 11).
+
+Nie et al., "FlexMoE: Scaling Large-scale Sparse Pre-trained Model Training via Dynamic Device
+Placement" (SIGMOD'23), §3 (paper copy: shared/papers/002_9e9d849ca3726c8e.txt).
+
+A placement is `slots` Int[G, V]: the expert each of the V vExpert slots of each of the G GPUs
+(EP ranks) holds, -1 for a free slot. An expert's tokens are split evenly over its vExperts (§3.2);
+vExperts of one expert on one GPU share one copy of its weights. Token counts are `counts`
+[G, E]: the tokens GPU g's gate sends to expert e (the I_{e,g} of Alg. 3).
+
+    balance_ratio         Eq. 6: max over GPUs of the tokens computed there / their mean
+    flexible_routing      Alg. 3: local vExperts first, the rest in proportion to free capacity
+    FlexCostModel         Eq. 5, 7-9 and the adjustment cost of §3.4
+    make_scheduling_plan  Alg. 2: expand the busiest expert, shrink the idlest, if Eq. 5 gains
+    propose_migration     Alg. 1 line 9: swap a replicated expert's vExpert onto another of its GPUs
+    schedule              Alg. 1 for one monitoring step: the ops to apply, in order
+    apply_ops             executes Expand / Shrink / Migrate (§3.3) on a placement
+
+Where this departs from the paper, and why:
+  * Eq. 8 and 9 use one profiled bandwidth for all GPU pairs; the all-reduce of Eq. 9 is priced
+    as a ring over the k GPUs holding the expert, 2 (k - 1) / k x its gradients (the paper looks
+    BPS up per device group);
+  * Alg. 2 accepts a plan only if t1 + (its transfer cost) / `amortize_steps` < t0, which is how
+    "we also consider the cost of expert adjustments" is read here; it tries every GPU for the
+    new vExpert and every GPU holding e1 for the shrink and keeps the cheapest (the paper leaves
+    where open); e1 is the idlest expert other than e0 that still has two vExperts, and with a
+    free slot an Expand alone is a candidate too (the paper's placements have no free slots);
+  * Alg. 1 line 9 "Modify Expert Placement with Migrate" is made concrete as greedy swaps that
+    move a vExpert of a replicated expert onto a GPU already holding that expert, while Eq. 5
+    plus transfer cost predicts a gain (fewer GPUs to sync, or fewer tokens crossing GPUs);
+  * Alg. 3 line 7-9 write "min(...) - I" for the free capacity, negative as printed; it is read
+    as capacity - local use, which makes every vExpert end with exactly cap_e tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Expand:
+    """Add a vExpert of `expert` in the free slot (dst_rank, dst_slot), copied from src_rank."""
+    expert: int
+    src_rank: int
+    dst_rank: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Free the slot (rank, slot) holding a vExpert of `expert` (a tag, no communication)."""
+    expert: int
+    rank: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Exchange the vExpert of `expert` at (src_rank, src_slot) with whatever (dst_rank, dst_slot) holds."""
+    expert: int
+    src_rank: int
+    src_slot: int
+    dst_rank: int
+    dst_slot: int
+
+
+Op = Union[Expand, Shrink, Migrate]
+
+
+def _check_slots(slots: np.ndarray, num_experts: int) -> np.ndarray:
+    slots = np.asarray(slots)
+    if slots.ndim != 2 or slots.size == 0 or not np.issubdtype(slots.dtype, np.integer):
+        raise ValueError(f"slots must be a non-empty 2-D int array [G, V], got {slots.dtype} {slots.shape}")
+    if slots.min() < -1 or slots.max() >= num_experts:
+        raise ValueError(f"slots must hold expert ids in [0, {num_experts}) or -1 for a free slot")
+    missing = np.setdiff1d(np.arange(num_experts), slots)
+    if missing.size:
+        raise ValueError(f"experts {missing.tolist()} have no vExpert: every expert needs at least one")
+    return slots
+
+
+def _check_counts(counts: np.ndarray, rows: int) -> np.ndarray:
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[0] != rows:
+        raise ValueError(f"counts must be [{rows}, E] (one row per GPU / source), got shape {counts.shape}")
+    if not np.all(np.isfinite(counts)) or np.any(counts < 0):
+        raise ValueError("counts must be finite and non-negative")
+    return counts
+
+
+def vexpert_counts(slots: np.ndarray, num_experts: int) -> np.ndarray:
+    """Int[G, E]: n_{e,g}, the vExperts of expert e on GPU g."""
+    slots = _check_slots(slots, num_experts)
+    n = np.zeros((slots.shape[0], num_experts), dtype=np.int64)
+    ranks, cols = np.nonzero(slots >= 0)
+    np.add.at(n, (ranks, slots[ranks, cols]), 1)
+    return n
+
+
+def rank_tokens(tokens: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """tokens [E] -> Float[G]: tokens each GPU computes when every vExpert of e gets I_e / n_e (§3.2)."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    n = vexpert_counts(slots, tokens.size)
+    return n @ (tokens / n.sum(0))
+
+
+def balance_ratio(tokens: np.ndarray, slots: np.ndarray) -> float:
+    """Eq. 6: max_g (tokens GPU g computes) / (all tokens / |G|); 1.0 when balanced or all zero.
+    Alg. 3 routing gives every GPU the same tokens as the even split used here."""
+    load = rank_tokens(tokens, slots)
+    mean = load.mean()
+    return float(load.max() / mean) if mean > 0 else 1.0
+
+
+def flexible_routing(counts: np.ndarray, source_ranks: Sequence[int], slots: np.ndarray) -> np.ndarray:
+    """Alg. 3. counts [S, E] tokens of each source per expert, source_ranks[s] the GPU of source s
+    -> Float[S, E, G]: tokens source s sends to expert e's vExperts on GPU g.
+
+    Per GPU g and expert e: keep min(cap_e n_{e,g}, I_{e,g}) locally (line 5), send the rest to the
+    other GPUs in proportion to their free capacity cap_e n_{e,g'} - (their own local use)
+    (lines 6-10). A GPU's sources share its routing in proportion to their counts."""
+    counts = _check_counts(counts, len(source_ranks))
+    slots = np.asarray(slots)
+    num_ranks, num_experts = slots.shape[0], counts.shape[1]
+    source_ranks = np.asarray(source_ranks, dtype=np.int64)
+    if source_ranks.size and (source_ranks.min() < 0 or source_ranks.max() >= num_ranks):
+        raise ValueError(f"source ranks must lie in [0, {num_ranks})")
+    n = vexpert_counts(slots, num_experts)  # [G, E]
+    sent = np.zeros((num_ranks, num_experts))
+    np.add.at(sent, source_ranks, counts)  # I_{e,g} [G, E]
+    capacity = n * (sent.sum(0) / n.sum(0))  # cap_e n_{e,g} [G, E]
+    local = np.minimum(capacity, sent)  # line 5
+    spill = sent - local  # line 6: s_e
+    free = capacity - local  # lines 7-9: c_{e,g}, zero wherever spill > 0
+    total_free = free.sum(0)  # [E] equals spill.sum(0)
+    share = np.divide(free, total_free, out=np.zeros_like(free), where=total_free > 0)
+    per_rank = spill[:, :, None] * share.T[None, :, :]  # line 10 [G, E, G]
+    per_rank[np.arange(num_ranks), :, np.arange(num_ranks)] += local
+    fraction = np.divide(counts, sent[source_ranks], out=np.zeros_like(counts), where=sent[source_ranks] > 0)
+    return per_rank[source_ranks] * fraction[:, :, None]
+
+
+@dataclass(frozen=True)
+class FlexCostModel:
+    """Eq. 5 with Eq. 7-9, plus the adjustment cost of §3.4 (profiled constants, seconds)."""
+    seconds_per_token: float  # 1 / TPS: forward + backward of one token by one expert (Eq. 7)
+    seconds_per_token_sent: float = 0.0  # 1 / Bw: one token through one all-to-all between GPUs (Eq. 8)
+    seconds_per_param_sent: float = 0.0  # 1 / Bw: one parameter element between GPUs (Eq. 9, Expand, Migrate)
+    params_per_expert: int = 0  # size(e.gradients) in elements (Eq. 9)
+    state_params_per_expert: int = 0  # size(e.model_states): params + optimizer states an Expand/Migrate moves
+    amortize_steps: int = 1  # steps an adjustment's transfer cost is spread over
+
+    def rank_times(self, counts: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """counts [G, E] -> Float[G]: sum over the experts on GPU g of T_C + T_A2A + T_Sync (Eq. 5)."""
+        slots = np.asarray(slots)
+        counts = _check_counts(counts, slots.shape[0])
+        num_ranks = slots.shape[0]
+        table = flexible_routing(counts, np.arange(num_ranks), slots)  # [G src, E, G dst]
+        computed = table.sum(axis=(0, 1))  # [G]
+        received = computed - table[np.arange(num_ranks), :, np.arange(num_ranks)].sum(1)  # remote only
+        held = vexpert_counts(slots, counts.shape[1]) > 0  # [G, E]
+        k = held.sum(0)  # [E] GPUs holding each expert
+        sync = 2 * (k - 1) / k * self.params_per_expert * self.seconds_per_param_sent  # Eq. 9, ring
+        return (computed * self.seconds_per_token  # Eq. 7
+                + 4 * received * self.seconds_per_token_sent  # Eq. 8: 4 all-to-alls per step
+                + held @ sync)
+
+    def step_time(self, counts: np.ndarray, slots: np.ndarray) -> float:
+        """T(I, P) of Eq. 5: the slowest GPU."""
+        return float(self.rank_times(counts, slots).max())
+
+    def adjust_time(self, ops: Sequence[Op]) -> float:
+        """Transfer time of `ops`: model states of every Expand / Migrate between two GPUs (a
+        Migrate's two directions run at once; same-GPU copies share weights; Shrink is a tag)."""
+        moves = sum(1 for op in ops if (isinstance(op, Expand) and op.src_rank != op.dst_rank)
+                    or (isinstance(op, Migrate) and op.src_rank != op.dst_rank))
+        return moves * self.state_params_per_expert * self.seconds_per_param_sent
+
+    def predicted_time(self, counts: np.ndarray, slots: np.ndarray, ops: Sequence[Op]) -> float:
+        """Step time after `ops` plus their transfer time spread over `amortize_steps`."""
+        return self.step_time(counts, apply_ops(slots, ops)) + self.adjust_time(ops) / self.amortize_steps
+
+
+def _rank(slots: np.ndarray, rank: int) -> int:
+    if not 0 <= rank < slots.shape[0]:
+        raise ValueError(f"rank {rank} is outside the {slots.shape[0]} GPUs of the placement")
+    return rank
+
+
+def _cell(slots: np.ndarray, rank: int, slot: int) -> Tuple[int, int]:
+    if not 0 <= slot < slots.shape[1]:
+        raise ValueError(f"slot {slot} is outside the {slots.shape[1]} slots per GPU of the placement")
+    return _rank(slots, rank), slot
+
+
+def apply_ops(slots: np.ndarray, ops: Sequence[Op]) -> np.ndarray:
+    """Returns a new placement with `ops` applied in order (§3.3). Raises ValueError for an op the
+    placement does not allow: Expand into a used slot or from a GPU without the expert, Shrink of
+    an expert's last vExpert, an op naming a slot that does not hold its expert."""
+    new = np.array(slots, copy=True)
+    for op in ops:
+        if isinstance(op, Expand):
+            dst = _cell(new, op.dst_rank, op.dst_slot)
+            if new[dst] != -1:
+                raise ValueError(f"{op}: destination slot holds expert {new[dst]}")
+            if op.expert not in new[_rank(new, op.src_rank)]:
+                raise ValueError(f"{op}: source rank holds no vExpert of expert {op.expert}")
+            new[dst] = op.expert
+        elif isinstance(op, Shrink):
+            cell = _cell(new, op.rank, op.slot)
+            if new[cell] != op.expert:
+                raise ValueError(f"{op}: slot holds expert {new[cell]}")
+            if np.count_nonzero(new == op.expert) < 2:
+                raise ValueError(f"{op}: expert {op.expert} would lose its last vExpert")
+            new[cell] = -1
+        else:
+            src, dst = _cell(new, op.src_rank, op.src_slot), _cell(new, op.dst_rank, op.dst_slot)
+            if new[src] != op.expert:
+                raise ValueError(f"{op}: source slot holds expert {new[src]}")
+            new[src], new[dst] = new[dst], op.expert
+    return new
+
+
+def _first_slot(row: np.ndarray, value: int) -> int:
+    return int(np.flatnonzero(row == value)[0])
+
+
+def make_scheduling_plan(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel) -> List[Op]:
+    """Alg. 2. counts [G, E], slots [G, V] -> [Shrink(e1), Expand(e0)] (or [Expand(e0)] into a
+    free slot), the cheapest by Eq. 5 + transfer cost, or [] when none beats the current t0.
+
+    e0 / e1: the expert with the most / fewest tokens per vExpert (cap_e = I_e / n_e, lines 3-6),
+    e1 among the others with >= 2 vExperts. Shrink comes first so its slot can take the Expand."""
+    slots = np.asarray(slots)
+    counts = _check_counts(counts, slots.shape[0])
+    n = vexpert_counts(slots, counts.shape[1])  # [G, E]
+    cap = counts.sum(0) / n.sum(0)  # line 5
+    e0 = int(np.argmax(cap))
+    shrinkable = (n.sum(0) >= 2) & (np.arange(cap.size) != e0)
+    shrinks: List[Optional[Shrink]] = []
+    if shrinkable.any():
+        e1 = int(np.argmin(np.where(shrinkable, cap, np.inf)))
+        shrinks = [Shrink(e1, g, _first_slot(slots[g], e1)) for g in np.flatnonzero(n[:, e1]).tolist()]
+    best_time, best_plan = cost.step_time(counts, slots), []  # line 2: t0
+    for shrink in shrinks + [None]:
+        plan = [shrink] if shrink else []
+        after = apply_ops(slots, plan)
+        for g in np.flatnonzero((after == -1).any(1)).tolist():
+            src = g if n[g, e0] else int(np.flatnonzero(n[:, e0])[0])  # same GPU: shared weights, free
+            candidate = plan + [Expand(e0, src, g, _first_slot(after[g], -1))]
+            t1 = cost.predicted_time(counts, slots, candidate)  # line 7
+            if t1 < best_time:  # line 8
+                best_time, best_plan = t1, candidate
+    return best_plan
+
+
+def propose_migration(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel) -> Optional[Migrate]:
+    """Alg. 1 line 9: the Migrate with the lowest Eq. 5 + transfer cost that moves a vExpert of an
+    expert held by several GPUs onto another GPU already holding it (exchanging it with a vExpert
+    of another expert or a free slot there), or None when none beats the current step time."""
+    slots = np.asarray(slots)
+    counts = _check_counts(counts, slots.shape[0])
+    held = vexpert_counts(slots, counts.shape[1]) > 0  # [G, E]
+    best_time, best = cost.step_time(counts, slots), None
+    for e in np.flatnonzero(held.sum(0) >= 2).tolist():
+        for src in np.flatnonzero(held[:, e]).tolist():
+            for dst in np.flatnonzero(held[:, e]).tolist():
+                for other in np.unique(slots[dst]).tolist():
+                    if dst == src or other == e:
+                        continue
+                    op = Migrate(e, src, _first_slot(slots[src], e), dst, _first_slot(slots[dst], other))
+                    t1 = cost.predicted_time(counts, slots, [op])
+                    if t1 < best_time:
+                        best_time, best = t1, op
+    return best
+
+
+def schedule(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel, threshold: float) -> List[Op]:
+    """Alg. 1 for one monitoring step: while Eq. 6 exceeds `threshold`, apply Alg. 2's plans until
+    it returns none (lines 2-8); then apply beneficial Migrates (line 9). Returns every op in order
+    (apply with `apply_ops`). Terminates: each accepted op strictly lowers the predicted step time."""
+    ops: List[Op] = []
+    current = np.asarray(slots)
+    tokens = _check_counts(counts, current.shape[0]).sum(0)
+    while balance_ratio(tokens, current) > threshold:
+        plan = make_scheduling_plan(counts, current, cost)
+        if not plan:
+            break
+        ops += plan
+        current = apply_ops(current, plan)
+    migration = propose_migration(counts, current, cost)
+    while migration is not None:
+        ops.append(migration)
+        current = apply_ops(current, [migration])
+        migration = propose_migration(counts, current, cost)
+    return ops
