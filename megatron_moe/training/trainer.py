@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 import time
 from typing import Callable, List, Optional, Tuple
 
@@ -130,6 +131,18 @@ class Trainer:
                 "moe_schedule": [dict(c) for c in moe.schedules], "moe_replicas": replicas,
                 **{key: timing[:, j].tolist() for j, key in enumerate(TIMING_KEYS)}}
 
+    def memory_metrics(self) -> Record:
+        """Peak memory so far, MB, {"rank<r>": MB} over the world: resident set size
+        (`max_rss_mb`) and, on CUDA, the allocator's peak (`cuda_peak_mb`)."""
+        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux: KB
+        if self.device.type == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated(self.device) / 2 ** 20)
+        gathered = collectives.all_gather(torch.tensor([peaks], dtype=torch.float64, device=self.device),
+                                          self.state.world, kind="stats").cpu()  # [world, 1 or 2]
+        keys = ("max_rss_mb", "cuda_peak_mb")[: gathered.shape[1]]
+        return {key: {f"rank{r}": round(v, 1) for r, v in enumerate(gathered[:, j].tolist())}
+                for j, key in enumerate(keys)}
+
     def train_step(self, iteration: int) -> Record:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""
         collectives.COMM_STATS.reset()
@@ -168,7 +181,7 @@ class Trainer:
                         "comm_wait": sum(comm_times["exposed"].values()) * 1e3},
             "comm_exposed_ms": {k: v * 1e3 for k, v in comm_times["exposed"].items()},
             "comm_total_ms": {k: v * 1e3 for k, v in comm_times["total"].items()},
-            "skipped_iterations": self.skipped_iterations,
+            "skipped_iterations": self.skipped_iterations, **self.memory_metrics(),
             **({"binary_loss": binary_loss} if self.has_binary_head else {}),
         }
 

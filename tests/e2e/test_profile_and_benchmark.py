@@ -144,3 +144,30 @@ def test_proprophet_model_check_predicts_eq_1_to_5(tmp_path):
         assert predicted["fec"] >= 2 * rows * 4 * hidden * ffn * 5.0e-11 / 2 * 1e3 * (1 - 1e-3)
         assert case["predicted_with_alpha_ms"]["a2a"] == pytest.approx(predicted["a2a"] + 0.1, rel=1e-3)
     assert 0 <= out["mean_rel_error_all"] and set(out["mean_rel_error"]) == {"a2a", "fec", "trans", "agg"}
+
+
+def test_train_throughput_runs_the_same_model_as_hugging_face():
+    """benchmarks/train_throughput.py (issue #16): equal parameter counts, the same first-step loss
+    from the same weights, and a step time and matmul floor for each side."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "model.num_layers=1", "model.seq_length=32",
+                           "training.micro_batch_size=2", "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["parameters"]["ours"] == out["parameters"]["hf"] > 0
+    assert out["loss_diff"] < 1e-4 and out["first_step_lm_loss"]["ours"] == pytest.approx(6.93, abs=0.2)  # ~ln 1024
+    assert out["step_ms"]["ours"] > 0 and out["step_ms"]["hf"] > 0 and out["matmul_floor_ms"] > 0
+
+
+def test_expert_scaling_sweeps_the_number_of_experts(tmp_path):
+    """benchmarks/expert_scaling.py (issue #16): one training run per E, the same tokens, the step
+    split into forward / backward / optimizer, expert parameters growing with E."""
+    proc = subprocess.run([sys.executable, "benchmarks/expert_scaling.py", "--experts", "4,8", "--iters", "2",
+                           "--warmup", "1", "--reps", "1"], capture_output=True, text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])["results_ms"]
+    assert set(results) == {"4", "8"} and results["4"]["step_vs_smallest_E"] == 1.0
+    for r in results.values():
+        assert r["step"] > 0 and r["forward"] > 0 and r["backward"] > 0
+    assert results["8"]["local_parameters"] > results["4"]["local_parameters"]

@@ -95,11 +95,14 @@ def test_metrics_and_tensorboard_agree_with_trace(run):
         assert set(r["comm_exposed_ms"]) == set(r["comm_total_ms"]) == set(r["comm_bytes"])
         assert r["comm_exposed_ms"]["all_to_all"] == pytest.approx(r["comm_total_ms"]["all_to_all"])
         assert sum(r["comm_exposed_ms"].values()) == pytest.approx(r["time_ms"]["comm_wait"])
+        world = len(r["max_rss_mb"])  # peak memory of every rank: a process with torch loaded > 100 MB
+        assert world > 1 and set(r["max_rss_mb"]) == {f"rank{i}" for i in range(world)}
+        assert all(100 < v < 24 * 1024 for v in r["max_rss_mb"].values())
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
     assert [e.step for e in events.Images("expert_load/heatmap")] == [2]  # image_interval=2
     tags = events.Tags()["scalars"]
     for tag in ("balance_degree/layer1", "dropped_fraction/layer0", "expert_load_imbalance/layer0",
-                "time_ms/forward", "time_ms/backward", "time_ms/optimizer", "time_ms/comm_wait"):
+                "time_ms/forward", "time_ms/backward", "time_ms/optimizer", "time_ms/comm_wait", "max_rss_mb/rank1"):
         assert tag in tags, tag
 
 

@@ -1,0 +1,168 @@
+"""One training step, single process: megatron_moe vs Hugging Face `transformers.MixtralForCausalLM`
+on the same Mixtral-shaped model and weights, and the step's pure matmul time (issue #16).
+
+    python benchmarks/train_throughput.py
+    python benchmarks/train_throughput.py model.num_layers=2 training.micro_batch_size=4 --steps 6
+
+The model is `configs/mixtral_tiny.yaml` with the issue's shape (4 layers, hidden 256, 4 heads,
+expert FFN 512, 8 experts top-2, vocab 1024, seq 256, micro-batch 8, dropless, fp32), changed by
+any dotted overrides given. Ours is built as training builds it (`GPTMoEModel`, `build_optimizer`:
+AdamW); HF's from `hf_config` with our initial weights copied in (`to_hf`, loaded by `from_pretrained`), AdamW (torch's
+default implementation) with the same hyper-parameters. Both get the same random tokens; the first
+step's losses are compared (`loss_diff`: the models compute the same function, so this is float
+rounding plus the aux loss, which only ours adds: both losses below are the language-model loss).
+
+A step is zero_grad, forward, backward (LM loss + ours: its aux loss), optimizer step. Steps
+alternate (ours, HF, ours, ...), --warmup of each first; reported: median step ms, tokens/s and
+the ratio ours / HF; parameter counts of both (they must be equal); and `matmul_floor_ms`: the
+time of the step's matrix multiplies alone (every forward GEMM of the model at its shapes, experts
+with the rows the first step routed to each, plus the two backward GEMMs of each), as plain
+`torch.mm` / `torch.bmm` calls. Prints one JSON object.
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from megatron_moe.config import load_config
+from megatron_moe.convert.hf_mixtral import hf_config, to_hf, write_hf_dir
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.gpt import GPTMoEModel
+from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.training.optimizer import build_optimizer
+
+SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.num_attention_heads=4",
+         "moe.expert_ffn_hidden_size=512", "moe.num_experts=8", "moe.top_k=2", "model.vocab_size=1024",
+         "model.seq_length=256", "training.micro_batch_size=8", "moe.capacity_factor=null",
+         "training.precision=fp32", "logging.tensorboard=false"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="dotted config overrides on top of the issue's shape")
+    p.add_argument("--config", default="configs/mixtral_tiny.yaml")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+def build_ours(cfg):
+    model = GPTMoEModel(cfg, ParallelState.single_process())
+    init_model_from_seed_(model, cfg.training.seed, ParallelState.single_process())
+    return model, build_optimizer(model, cfg.optimizer)
+
+
+def build_hf(cfg, ours):
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:  # through HF's loader, which maps the checkpoint layout
+        write_hf_dir(tmp, hf_config(cfg), to_hf(cfg, {n: p.detach() for n, p in ours.named_parameters()}))
+        hf = transformers.MixtralForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    hf.train()
+    o = cfg.optimizer
+    decay = [p for n, p in hf.named_parameters() if p.dim() >= 2 and "norm" not in n]
+    rest = [p for n, p in hf.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}], lr=o.lr,
+                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    return hf, optimizer
+
+
+def step_ours(model, optimizer, tokens, labels):
+    optimizer.zero_grad(set_to_none=True)
+    out = model(tokens, labels)
+    (out.lm_loss + out.aux_loss).backward()
+    optimizer.step()
+    return out.lm_loss.item()
+
+
+def step_hf(model, optimizer, tokens, labels):
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=tokens).logits  # [b, s, V]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def matmul_floor_ms(cfg, rows_per_expert, reps: int = 3) -> float:
+    """Median time of the step's GEMMs alone (forward, and dX / dW of each in backward)."""
+    m, b = cfg.model, cfg.training.micro_batch_size
+    n, h, s, heads = b * m.seq_length, m.hidden_size, m.seq_length, m.num_attention_heads
+    d, f, V = h // heads, cfg.moe.expert_ffn_hidden_size, m.vocab_size
+    dense = [(n, h, 3 * h), (n, h, h), (n, h, cfg.moe.num_experts)]  # qkv, proj, router: [m, k] @ [k, n]
+    experts = [(rows, h, 2 * f) for rows in rows_per_expert] + [(rows, f, h) for rows in rows_per_expert]
+    gemms = (dense + experts) * m.num_layers + [(n, h, V)]
+    batched = [(b * heads, s, d, s), (b * heads, s, s, d)] * m.num_layers  # scores, context
+
+    def run():
+        for rows, k, cols in gemms:
+            if rows == 0:
+                continue
+            x, w, dy = torch.randn(rows, k), torch.randn(k, cols), torch.randn(rows, cols)
+            start = time.perf_counter()
+            x @ w, dy @ w.t(), x.t() @ dy  # forward, dX, dW
+            run.seconds += time.perf_counter() - start
+        for g, rows, k, cols in batched:
+            x, w, dy = torch.randn(g, rows, k), torch.randn(g, k, cols), torch.randn(g, rows, cols)
+            start = time.perf_counter()
+            torch.bmm(x, w), torch.bmm(dy, w.transpose(1, 2)), torch.bmm(x.transpose(1, 2), dy)
+            run.seconds += time.perf_counter() - start
+
+    times = []
+    for _ in range(reps + 1):
+        run.seconds = 0.0
+        run()
+        times.append(run.seconds)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit("benchmarks/train_throughput.py needs transformers (pip install transformers)")
+    cfg = load_config(args.config, SHAPE + list(args.overrides))
+    torch.manual_seed(args.seed)
+    ours, ours_opt = build_ours(cfg)
+    hf, hf_opt = build_hf(cfg, ours)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    if count(ours) != count(hf):
+        raise SystemExit(f"parameter counts differ: ours {count(ours):,}, HF {count(hf):,}")
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(args.seed))
+    tokens, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    first = {"ours": step_ours(ours, ours_opt, tokens, labels), "hf": step_hf(hf, hf_opt, tokens, labels)}
+    rows_per_expert = [int(r) for r in sum(st.tokens_per_expert for st in
+                                           (layer.ffn.last_stats for layer in ours.layers)) // cfg.model.num_layers]
+    times = {"ours": [], "hf": []}
+    for i in range(args.warmup + args.steps):
+        for side, (model, opt, step) in {"ours": (ours, ours_opt, step_ours), "hf": (hf, hf_opt, step_hf)}.items():
+            start = time.perf_counter()
+            step(model, opt, tokens, labels)
+            if i >= args.warmup:
+                times[side].append(time.perf_counter() - start)
+        print(f"step {i + 1}/{args.warmup + args.steps}", file=sys.stderr, flush=True)
+    ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
+    floor = matmul_floor_ms(cfg, rows_per_expert)
+    print(json.dumps({
+        "config": {"overrides": SHAPE + list(args.overrides), "steps": args.steps, "warmup": args.warmup,
+                   "torch": torch.__version__, "transformers": transformers.__version__},
+        "parameters": {"ours": count(ours), "hf": count(hf)},
+        "first_step_lm_loss": first, "loss_diff": abs(first["ours"] - first["hf"]),
+        "step_ms": {k: round(v, 1) for k, v in ms.items()},
+        "tokens_per_sec": {k: round(b * s / v * 1e3, 1) for k, v in ms.items()},
+        "ours_vs_hf": round(ms["hf"] / ms["ours"], 3),
+        "matmul_floor_ms": round(floor, 1), "ours_vs_floor": round(ms["ours"] / floor, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
