@@ -31,7 +31,10 @@ difference of the layer output and input gradient from the baseline row's, over 
 row computes the same math, so this is float rounding); `balance_ratio`: max / mean over EP ranks
 of the rows each computes (FlexMoE Eq. 6, summed over the ep_esp groups; last repetition);
 `replicas`, `trans_bytes`, `agg_bytes`: expert replicas and their weight / gradient bytes (rank
-0); for auto rows the schedule Alg. 1 picked (last repetition). Rank 0 prints one JSON object on
+0); `vexpert_moves`, `vexpert_move_bytes`: for flexmoe / eplb rows, the primitives executed
+between repetitions (every --vexpert-interval, untimed, weights only: no optimizer here) and the
+bytes rank 0 sent for them, over the whole run; their replicas' gradient all-reduce is timed
+(`before_grad_sync`); for auto rows the schedule Alg. 1 picked (last repetition). Rank 0 prints one JSON object on
 its last line. Default shapes are sized for 8 processes on 2 CPU cores.
 """
 import argparse
@@ -86,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="hardware profile for auto / fastermoe (default: calibrate here)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     p.add_argument("--balancer", default="none", help="comma-separated balancers, each run with every row")
+    p.add_argument("--vexpert-interval", type=int, default=1,
+                   help="flexmoe / eplb rows: re-plan the vExpert slots every N repetitions (moe.*.interval)")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of a fixed router-logit bias (0 = none)")
     p.add_argument("--min-shadow", type=int, default=0, help="moe.fastermoe.min_shadow")
     p.add_argument("--min-replicas", type=int, default=0, help="moe.proprophet.min_replicas")
@@ -129,6 +134,7 @@ def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: 
     moe.smart_schedule, moe.smart_group_size, moe.gate = smart, args.smart_group_size, args.gate
     cfg.parallel.tensor, cfg.parallel.expert, cfg.parallel.expert_shard = args.tensor, args.expert, args.expert_shard
     cfg.perf.hardware_profile = args.profile
+    moe.flexmoe.interval = moe.eplb.interval = args.vexpert_interval
     return cfg
 
 
@@ -245,6 +251,8 @@ def main(argv=None) -> int:
         inp = x.clone().requires_grad_(True)
         y, aux = layer(inp)
         ((y * grad).sum() + aux).backward()
+        for each in layer.layers:  # vExperts (flexmoe, eplb): the slots of an expert sum their gradients
+            each.balancer.before_grad_sync()
         bytes_[name], inter_node[name] = C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)
         comm_times[name].append(C.COMM_STATS.seconds_by_kind())
         picked[name], replicas[name] = layer.last_stats.schedule, layer.last_stats.replicas
@@ -264,11 +272,21 @@ def main(argv=None) -> int:
             outputs.setdefault("deepspeed", (y.detach(), inp.grad))
             deepspeed.zero_grad(set_to_none=True)
 
+    moves = {name: [0, 0] for name in layers}  # vExpert primitives, bytes sent (this rank) over the run
+
+    def adapt(name, iteration):  # between steps, untimed: FlexMoE / EPLB move slots (weights only here)
+        C.COMM_STATS.reset()
+        for layer in layers[name].layers:
+            moves[name][0] += layer.balancer.after_optimizer_step(iteration, None)
+        moves[name][1] += bytes_of_kind(C.COMM_STATS.snapshot(), "vexpert_move")
+
     for rep in range(args.warmup + args.reps):
         for name in times:
             seconds = slowest_rank_seconds(step_deepspeed if name == "deepspeed" else lambda: step(name), state)
             if rep >= args.warmup:
                 times[name].append(seconds * 1e3)
+            if name != "deepspeed":
+                adapt(name, rep + 1)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     results = {}
     for name in times:
@@ -290,6 +308,7 @@ def main(argv=None) -> int:
             "balance_ratio": round(float(load.max() / load.mean().clamp(min=1e-12)), 4),
             "replicas": replicas[name], "trans_bytes": bytes_of_kind(bytes_[name], "trans"),
             "agg_bytes": bytes_of_kind(bytes_[name], "agg"),
+            "vexpert_moves": moves[name][0], "vexpert_move_bytes": moves[name][1],
         }
         if ROWS[name.split("+")[0]][0] == "auto":
             results[name]["picked"] = picked[name]

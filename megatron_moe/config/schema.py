@@ -47,6 +47,20 @@ class ProProphetConfig:
 
 
 @dataclass
+class FlexMoEConfig:
+    slots_per_rank: Optional[int] = None  # vExpert slots per EP rank (>= E/ep); null = E/ep + 1
+    interval: int = 10  # run the scheduler (Alg. 1) every N iterations, on their mean loads
+    threshold: float = 1.1  # Alg. 1: Expand / Shrink while the balance ratio (Eq. 6) exceeds this
+
+
+@dataclass
+class EPLBConfig:
+    redundant_slots: Optional[int] = None  # slots beyond E over the EP group ((E + this) % ep == 0); null = ep (0 on one rank)
+    interval: int = 10  # re-plan every N iterations
+    ema: float = 0.5  # weight of the newest window's loads in the moving average (1 = newest only)
+
+
+@dataclass
 class TopologyGateConfig:
     # W_net / W_local: inter- over intra-node bandwidth per rank; a rank may send L = ratio / M x its
     # assignments to other nodes (M = parallel.ranks_per_node), the rest re-select on their node
@@ -67,6 +81,8 @@ class MoEConfig:
     saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)
     fastermoe: FasterMoEConfig = field(default_factory=FasterMoEConfig)  # moe.balancer=fastermoe (docs/balancers.md)
     proprophet: ProProphetConfig = field(default_factory=ProProphetConfig)  # moe.balancer=proprophet (docs/balancers.md)
+    flexmoe: FlexMoEConfig = field(default_factory=FlexMoEConfig)  # moe.balancer=flexmoe (docs/balancers.md)
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)  # moe.balancer=eplb (docs/balancers.md)
     gate: str = "softmax"  # registry moe.gate: softmax | topology (FasterMoE §4.3: changes routing)
     topology_gate: TopologyGateConfig = field(default_factory=TopologyGateConfig)  # moe.gate=topology
     smart_schedule: bool = False  # FasterMoE §4.2: all-to-all + experts + all-to-all as pipelined pairwise steps

@@ -225,10 +225,38 @@ def _check_parm(cfg: Config) -> None:
                                   "in [0, moe.num_experts]")]:
         if not ok:
             raise ConfigError(f"moe.proprophet.{key}={value} must be {rule}")
+    _check_vexperts(cfg)
     if profile:
         loaded = load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed
         for ops, who in profile_needs(cfg):
             loaded.require(ops, who)
+
+
+def _check_vexperts(cfg: Config) -> None:
+    """FlexMoE / EPLB slots (moe/vexperts.py): enough slots for every expert, sane schedules."""
+    moe, ep = cfg.moe, cfg.parallel.expert
+    per_rank = moe.num_experts // ep
+    fm, eplb = moe.flexmoe, moe.eplb
+    if moe.balancer not in ("flexmoe", "eplb"):
+        return
+    if moe.balancer == "flexmoe":  # each balancer's own section only
+        checks = [("flexmoe.slots_per_rank", fm.slots_per_rank,
+                   fm.slots_per_rank is None or fm.slots_per_rank >= per_rank,
+                   f">= moe.num_experts / parallel.expert = {per_rank} (or null)"),
+                  ("flexmoe.interval", fm.interval, fm.interval >= 1, ">= 1"),
+                  ("flexmoe.threshold", fm.threshold, fm.threshold >= 1.0, ">= 1.0 (a balance ratio)")]
+    else:
+        redundant = eplb.redundant_slots if eplb.redundant_slots is not None else (ep if ep > 1 else 0)
+        checks = [("eplb.interval", eplb.interval, eplb.interval >= 1, ">= 1"),
+                  ("eplb.ema", eplb.ema, 0.0 < eplb.ema <= 1.0, "in (0, 1]"),
+                  ("eplb.redundant_slots", eplb.redundant_slots,
+                   redundant >= 0 and (moe.num_experts + redundant) % ep == 0
+                   and (moe.num_experts + redundant) // ep <= moe.num_experts,
+                   f">= 0 with moe.num_experts + it divisible by parallel.expert={ep} and at most "
+                   f"moe.num_experts slots per rank (or null = {ep if ep > 1 else 0})")]
+    for key, value, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"moe.{key}={value} must be {rule}")
 
 
 def profile_needs(cfg: Config):
@@ -239,8 +267,8 @@ def profile_needs(cfg: Config):
     needs = []
     if cfg.moe.schedule == "auto":
         needs.append((PARM_OPS, "moe.schedule=auto"))
-    if cfg.moe.balancer == "fastermoe":
-        needs.append((BALANCER_OPS, "moe.balancer=fastermoe"))
+    if cfg.moe.balancer in ("fastermoe", "flexmoe"):
+        needs.append((BALANCER_OPS, f"moe.balancer={cfg.moe.balancer}"))
     if cfg.moe.balancer == "proprophet":
         needs.append((PROPROPHET_OPS, "moe.balancer=proprophet"))
     return needs

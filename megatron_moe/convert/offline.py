@@ -108,6 +108,8 @@ def _write_layout(path: str, out_root: str, meta: dict, tensors: Dict[str, torch
                 chunks[tuple(offsets)] = full[index].contiguous()
         entries[key] = ShardedEntry(tuple(full.shape), [(t, o) for o, t in chunks.items()])
     new_meta = dict(meta, layout=layout_dict(states[0]))
+    new_meta.pop("balancers", None)  # vExpert slots of the old layout: the new one starts from the owners'
+
     return write_checkpoint_dir(out_root, meta["iteration"], entries, new_meta, to_yaml(cfg), None)
 
 

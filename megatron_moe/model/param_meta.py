@@ -87,7 +87,8 @@ def init_from_seed_(param: torch.nn.Parameter, name: str, seed: int, state: Para
     """Fill `param` (a local shard) with its slice of the full tensor drawn from (seed, name).
 
     Expert parameters draw each expert (dim 0) from its own generator, so a rank only materializes
-    the experts it holds; everything else draws the full tensor once and slices it.
+    the experts it holds (`param.expert_rows()`: (local row, expert) pairs of vExpert slots, else
+    its owned range); everything else draws the full tensor once and slices it.
     """
     meta: ParamMeta = param.meta
     if meta.init == "zeros":
@@ -99,7 +100,9 @@ def init_from_seed_(param: torch.nn.Parameter, name: str, seed: int, state: Para
     slices = meta.local_slices(state)
     rows = meta.valid_rows if meta.valid_rows is not None else meta.global_shape[0]
     if meta.kind == "expert":
-        for local_i, global_i in enumerate(range(slices[0].start, slices[0].stop)):
+        rows = param.expert_rows() if hasattr(param, "expert_rows") else \
+            enumerate(range(slices[0].start, slices[0].stop))  # vExpert slots (moe/vexperts.py) or owned
+        for local_i, global_i in rows:
             gen = torch.Generator().manual_seed(_seed_for(seed, name, global_i))
             full = torch.randn(meta.global_shape[1:], generator=gen) * meta.std
             param[local_i].copy_(full[slices[1:]])

@@ -21,12 +21,18 @@ placement gave this rank (`Placement.experts_on`). Owned experts run through the
 stacks themselves, replicas through the weights *Trans* moved in (`moe/replicas.py`), each as one
 grouped GEMM per projection (`moe/grouped_gemm.py`): no per-expert indexing of the stacks, so
 the cost does not grow with the number of experts at a fixed amount of work.
+
+vExpert slots (`slots_per_rank`, FlexMoE / EPLB, `moe/vexperts.py`): the local stacks are
+[V, ...] slots instead of [E/ep, ...] owned experts; `slot_table` says which expert each holds,
+the held experts are computed with their first slot (one `index_select` per stack when that is
+not all slots in order), and the parameters carry `expert_rows` for checkpoints and
+initialization and `vexpert_slots` for the gradient norm.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +44,7 @@ from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.model.transformer import residual_output_std
 from megatron_moe.moe.grouped_gemm import grouped_mm
+from megatron_moe.moe.vexperts import SlotTable, expert_rows
 
 
 @dataclass
@@ -66,9 +73,9 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class Experts(torch.nn.Module):
-    """This rank's E/ep experts, ESP shard `state.esp.rank` of each."""
+    """This rank's E/ep experts (or `slots_per_rank` vExpert slots), ESP shard `state.esp.rank` of each."""
 
-    def __init__(self, cfg: Config, state: ParallelState):
+    def __init__(self, cfg: Config, state: ParallelState, slots_per_rank: Optional[int] = None):
         super().__init__()
         m, num_experts = cfg.model, cfg.moe.num_experts
         units = ffn_units_shape(expert_ffn_hidden_size(cfg), m.activation)  # (f,) or (2, f)
@@ -76,10 +83,17 @@ class Experts(torch.nn.Module):
         self.num_experts, self.num_local = num_experts, num_experts // state.ep_size
         self.ep_rank, self.first_expert = state.ep.rank, state.ep.rank * self.num_local
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
+        self.slot_table = (SlotTable.initial(num_experts, state.ep_size, slots_per_rank, state.ep.rank)
+                           if slots_per_rank is not None else None)
 
         def param(shape, dim, init="normal", std=0.0, role="weight"):
-            return make_param(ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")],
-                                        init=init, std=std, role=role), state)
+            meta = ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")], init=init, std=std, role=role)
+            if self.slot_table is None:
+                return make_param(meta, state)
+            p = torch.nn.Parameter(torch.zeros((slots_per_rank,) + meta.local_shape(state)[1:]))
+            p.meta, p.vexpert_slots = meta, self.slot_table
+            p.expert_rows = lambda: expert_rows(self.slot_table)
+            return p
 
         self.w1 = param((m.hidden_size,) + units, 1 + len(units), std=m.init_std)
         self.w2 = param((units[-1], m.hidden_size), 1, std=residual_output_std(m))
@@ -88,7 +102,20 @@ class Experts(torch.nn.Module):
 
     @property
     def owned_expert_ids(self) -> List[int]:
+        """The experts this rank holds: its owned range, or what its vExpert slots hold (ascending)."""
+        if self.slot_table is not None:
+            return self.slot_table.resident(self.ep_rank)
         return list(range(self.first_expert, self.first_expert + self.num_local))
+
+    def held_stacks(self) -> List[torch.Tensor]:
+        """`stacks()` as computed: [held experts, ...] in `owned_expert_ids` order."""
+        if self.slot_table is None:
+            return self.stacks()
+        index = self.slot_table.compute_slots(self.ep_rank)
+        if index == list(range(self.slot_table.shape[1])):
+            return self.stacks()
+        index = torch.tensor(index, dtype=torch.long, device=self.w1.device)
+        return [p.index_select(0, index) for p in self.stacks()]
 
     def stacks(self) -> List[torch.Tensor]:
         """The parameters *Trans* moves for a replica, in a fixed order (moe/replicas.py)."""
@@ -99,21 +126,21 @@ class Experts(torch.nn.Module):
         `moe/replicas.py` `fetch_replicas`'s result for the placement the batch came from. `grad_scale` multiplies
         the weights' gradients (the schedule's redundancy correction), replicas' included."""
         owned = self.owned_expert_ids
-        if batch.expert_ids[: self.num_local] != owned:
+        if batch.expert_ids[: len(owned)] != owned:
             raise ValueError(f"EP rank {self.ep_rank}: expert batch {batch.expert_ids} must start with the "
-                             f"experts it owns {owned} (Placement.experts_on)")
-        extra = batch.expert_ids[self.num_local:]
+                             f"experts it holds {owned} (Placement.experts_on)")
+        extra = batch.expert_ids[len(owned):]
         held = replicas.expert_ids if replicas is not None else []
         if extra != held:
             missing = sorted(set(extra) - set(held)) or extra
             raise LookupError(f"EP rank {self.ep_rank} was asked to compute expert(s) {missing}, which it neither "
                               f"owns ({owned}) nor received as replicas ({held})")
-        own_rows = sum(batch.counts[: self.num_local])
-        outputs = [self._ffn(batch.tokens[:own_rows], [scale_grad(p, grad_scale) for p in self.stacks()],
-                             batch.counts[: self.num_local])]
+        own_rows = sum(batch.counts[: len(owned)])
+        outputs = [self._ffn(batch.tokens[:own_rows], [scale_grad(p, grad_scale) for p in self.held_stacks()],
+                             batch.counts[: len(owned)])]
         if replicas is not None:  # also with no rows here: Trans's backward (Agg) must run on every rank
             outputs.append(self._ffn(batch.tokens[own_rows:], [scale_grad(p, grad_scale) for p in replicas.stacks()],
-                                     batch.counts[self.num_local:]))
+                                     batch.counts[len(owned):]))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int]) -> torch.Tensor:

@@ -47,9 +47,10 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.router = GATES.get(cfg.moe.gate)(cfg, state)
-        self.experts = Experts(cfg, state)
-        self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
         self.balancer = BALANCERS.get(cfg.moe.balancer)(cfg, state)
+        self.experts = Experts(cfg, state, self.balancer.slots_per_rank)  # vExpert slots (FlexMoE, EPLB) or owners
+        self.balancer.attach(self.experts)
+        self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
         self.state = state
         self.last_stats: Optional[MoEStats] = None
         # cross-layer scheduling (moe/cross_layer.py): the next MoE layer, Trans it got early
@@ -79,5 +80,7 @@ class MoELayer(torch.nn.Module):
         cross_layer.after_layer(self)
         stats = self.schedule.stats(routed, placement)
         stats.plan_seconds, stats.replica_times = self.balancer.last_plan_seconds, self.replica_times
+        if self.experts.slot_table is not None:  # vExperts beyond one per expert (co-located ones too)
+            stats.replicas = self.experts.slot_table.extra_vexperts
         self.last_stats = stats
         return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss

@@ -4,6 +4,7 @@
   Fig. 3 (skewed, layer-specific expert loads).
 * `share_figure`: every expert's share of its layer over iterations, the view of FlexMoE Fig. 3(b)
   (loads drift during training).
+* `placement_figure`: a layer's vExpert slots (EP rank x slot -> expert held, FlexMoE / EPLB).
 
 Shares are percentages of a layer's assignments, so layers and runs of any size compare; a
 perfectly balanced layer has 100 / E everywhere.
@@ -64,6 +65,28 @@ def heatmap_figure(load: np.ndarray, iteration: int, layer_indices: Optional[Seq
         for (layer, expert), value in np.ndenumerate(share):
             ax.text(expert, layer, f"{value:.0f}", ha="center", va="center", fontsize=8,
                     color="black" if value > threshold else "white")
+    fig.tight_layout()
+    return fig
+
+
+def placement_figure(slots: np.ndarray, layer_index: int, iteration: int) -> Figure:
+    """slots Int[ep, V] (-1 free) -> one cell per (EP rank, slot), coloured and labelled by expert."""
+    slots = np.asarray(slots)
+    ranks, per_rank = slots.shape
+    num_experts = int(slots.max()) + 1
+    fig = Figure(figsize=(min(16.0, max(4.0, 1.5 + 0.6 * per_rank)), min(12.0, max(2.5, 1.0 + 0.45 * ranks))), dpi=100)
+    ax = fig.add_subplot()
+    image = ax.imshow(np.ma.masked_less(slots, 0), cmap="viridis", aspect="auto", vmin=0, vmax=max(num_experts - 1, 1))
+    fig.colorbar(image, ax=ax, label="expert")
+    ax.set_xlabel("slot")
+    ax.set_ylabel("EP rank")
+    ax.set_xticks(range(per_rank))
+    ax.set_yticks(range(ranks))
+    if ranks * per_rank <= 256:
+        for (rank, slot), expert in np.ndenumerate(slots):
+            ax.text(slot, rank, "free" if expert < 0 else str(expert), ha="center", va="center", fontsize=8,
+                    color="black" if expert < 0 or expert > 0.6 * num_experts else "white")
+    ax.set_title(f"vExpert slots, layer {layer_index}, after iteration {iteration}")
     fig.tight_layout()
     return fig
 

@@ -2,9 +2,14 @@
 
 Every balancer returns a Placement; every schedule executes one without knowing the policy:
 
-* ``replicas[e]``: the EP ranks that compute expert e, its owner first. The owner of e is EP rank
-  ``e // (E / ep)`` (expert weights are sharded contiguously over ``ep`` on dim 0). A "device" is
-  an EP rank; replicating e to EP rank q means each ESP shard of e goes to shard rank j of q.
+* ``replicas[e]``: the EP ranks that compute expert e, a rank holding its weights first. A
+  "device" is an EP rank; replicating e to EP rank q means each ESP shard of e goes to shard rank
+  j of q.
+* ``resident[q]``: the experts whose weights EP rank q holds, ascending. By default (None) the
+  owners': expert weights are sharded contiguously over ``ep`` on dim 0, so EP rank q holds
+  ``[q E/ep, (q+1) E/ep)`` and the owner of e is ``e // (E / ep)``. Persistent vExperts
+  (FlexMoE, EPLB: `moe/vexperts.py`) hold any experts in their slots; then `on_slots` builds
+  the placement and every rank listed in ``replicas[e]`` holds e (nothing moves per iteration).
 * ``routing_table[s, e, q]`` (Long[S, E, ep]): how many of source s's (kept) assignments to
   expert e are computed by EP rank q; zero unless q is a replica of e. What a "source" is belongs
   to the schedule: the baseline's all-to-all runs over ``ep`` after the ESP-AllGather, so its
@@ -14,14 +19,15 @@ Row order convention shared by all schedules: a source orders its rows by expert
 deals expert e's rows out to ``replicas[e]`` in replica order (``routing_table[s, e, q]`` each),
 and sends to each EP rank its rows in that order. A receiver therefore gets, from each source,
 blocks per expert in ascending expert order; `receive_order(q)` regroups them expert-major in the
-order of ``experts_on(q)``: every expert q owns (ascending, also those with no rows), then the
-experts it computes as a replica (ascending). `Experts.forward` computes that batch: the owned
-stack first, then the replica weights `moe/replicas.py` moved in (*Trans*).
+order of ``experts_on(q)``: every expert q holds (``resident[q]``, ascending, also those with no
+rows), then the experts it computes as a per-iteration replica (ascending). `Experts.forward`
+computes that batch: the held stack first, then the replica weights `moe/replicas.py` moved in
+(*Trans*).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,19 +49,26 @@ def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Placement:
-    replicas: Tuple[Tuple[int, ...], ...]  # [E] EP ranks computing expert e, owner first
+    replicas: Tuple[Tuple[int, ...], ...]  # [E] EP ranks computing expert e, a holder first
     routing_table: torch.Tensor  # Long[S, E, ep]
+    resident: Optional[Tuple[Tuple[int, ...], ...]] = None  # [ep] experts each EP rank holds; None: owners
 
     def __post_init__(self):
         # checked with raise, not assert: a wrong placement computes wrong results (kept under -O)
         table, num_experts = self.routing_table, len(self.replicas)
         if table.dim() != 3 or table.shape[1] != num_experts:
             raise ValueError(f"Placement: routing_table {tuple(table.shape)} does not match {num_experts} experts")
-        per_rank = num_experts // table.shape[2]
+        if self.resident is None:
+            object.__setattr__(self, "resident", tuple(tuple(owned_experts(q, num_experts, table.shape[2]))
+                                                       for q in range(table.shape[2])))
+        elif len(self.resident) != table.shape[2] or any(list(r) != sorted(set(r)) for r in self.resident):
+            raise ValueError(f"Placement: resident {self.resident} must list ascending experts for each of "
+                             f"{table.shape[2]} EP ranks")
         pairs = [(e, q) for e, ranks in enumerate(self.replicas) for q in ranks]  # replica order
         for e, ranks in enumerate(self.replicas):
-            if not ranks or ranks[0] != e // per_rank or len(set(ranks)) != len(ranks):
-                raise ValueError(f"Placement: replicas of expert {e} must list its owner first, once each: {ranks}")
+            if not ranks or e not in self.resident[ranks[0]] or len(set(ranks)) != len(ranks):
+                raise ValueError(f"Placement: replicas of expert {e} must list a rank holding it first, once "
+                                 f"each: {ranks}")
         pair_experts, pair_ranks = torch.tensor(pairs, dtype=torch.long).t()
         allowed = torch.zeros(table.shape[1:], dtype=torch.bool)  # [E, ep]
         allowed[pair_experts, pair_ranks] = True
@@ -91,21 +104,41 @@ class Placement:
             table[torch.arange(counts.shape[0]), e, local] = counts[:, e].long()
         return cls(tuple(replicas), table)
 
+    @classmethod
+    def on_slots(cls, table: torch.Tensor, resident: Sequence[Sequence[int]]) -> "Placement":
+        """Persistent vExperts (`moe/vexperts.py`): every expert computed where its weights are
+        held (`resident[q]`: experts EP rank q holds), routing_table Long[S, E, ep] from the
+        balancer's flexible routing; every holder of e is listed as a replica of e."""
+        resident = tuple(tuple(sorted(set(int(e) for e in r))) for r in resident)
+        holders = [[] for _ in range(table.shape[1])]
+        for q, experts in enumerate(resident):
+            for e in experts:
+                holders[e].append(q)
+        return cls(tuple(tuple(h) for h in holders), table, resident)
+
     @property
     def ep_size(self) -> int:
         return self.routing_table.shape[2]
 
     def experts_on(self, q: int) -> List[int]:
-        """Experts EP rank q computes: all it owns (ascending), then its replicas (ascending)."""
-        return owned_experts(q, len(self.replicas), self.ep_size) + self.replicas_on(q)
+        """Experts EP rank q computes: all it holds (ascending), then its per-iteration replicas
+        (ascending)."""
+        return list(self.resident[q]) + self.replicas_on(q)
 
     def replicas_on(self, q: int) -> List[int]:
-        """Experts EP rank q computes without owning them (their weights come by *Trans*), ascending."""
-        return [e for e, ranks in enumerate(self.replicas) if q in ranks[1:]]
+        """Experts EP rank q computes without holding them (their weights come by *Trans*), ascending."""
+        return [e for e, ranks in enumerate(self.replicas) if q in ranks[1:] and e not in self.resident[q]]
+
+    def transient_replicas(self) -> Tuple[Tuple[int, ...], ...]:
+        """`replicas` without the ranks that hold the expert themselves (besides the first): what
+        *Trans* must move (`moe/replicas.py`); equal to `replicas` under the owners' layout."""
+        return tuple((ranks[0],) + tuple(q for q in ranks[1:] if e not in self.resident[q])
+                     for e, ranks in enumerate(self.replicas))
 
     @property
     def num_replicas(self) -> int:
-        """Replicas beyond the owners (FasterMoE's shadows, Pro-Prophet's placements, ...)."""
+        """EP ranks computing an expert beyond one per expert (FasterMoE's shadows, Pro-Prophet's
+        placements, vExperts on several ranks)."""
         return sum(len(ranks) - 1 for ranks in self.replicas)
 
     def send_splits(self, src: int) -> List[int]:

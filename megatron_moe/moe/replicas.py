@@ -206,5 +206,10 @@ def start_trans(experts, replicas: Tuple[Tuple[int, ...], ...], state: ParallelS
 
 def fetch_replicas(experts, placement: Placement, state: ParallelState,
                    sink: Optional[C.TimeSink] = None) -> Optional[ReplicaWeights]:
-    """Start Trans for `placement` (collective over `ep` when it has replicas; None otherwise)."""
-    return start_trans(experts, placement.replicas, state, sink)
+    """Start Trans for `placement` (collective over `ep` when it has replicas; None otherwise).
+    Ranks that hold an expert themselves (vExpert slots) need no Trans for it."""
+    transient = placement.transient_replicas()
+    if experts.slot_table is not None and any(len(ranks) > 1 for ranks in transient):
+        raise ValueError("per-iteration replicas (Trans) of a layer with vExpert slots are not supported: "
+                         f"{transient}")
+    return start_trans(experts, transient, state, sink)

@@ -7,7 +7,9 @@ A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
   `optim/<param name>/exp_avg|exp_avg_sq` (AdamW moments share their parameter's sharding, so
   they reshard with it), `optim/<param name>/step` (replicated scalar),
   `rng/rank<r>/...` (torch CPU/CUDA generator and `DropoutRNG` states of rank r);
-* `meta.json`: iteration, consumed samples, the layout it was saved under;
+* `meta.json`: iteration, consumed samples, the layout it was saved under, and (FlexMoE / EPLB)
+  `balancers`: each MoE layer's vExpert slots and planner state, restored on the same layout,
+  balancer and slot count (the tensors hold one copy per expert whatever the slots hold);
 * `config.yaml`: the resolved config;
 * `manifest.json`: sizes + SHA-256 of all the above, written last.
 
@@ -39,6 +41,7 @@ from megatron_moe.config import Config
 from megatron_moe.config.load import load_config, to_yaml
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.moe.vexperts import fill_duplicates
 from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
                                                  load_entries, read_json, read_metadata, save_entries, verify_manifest,
                                                  write_json, write_manifest)
@@ -54,9 +57,12 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 # -- state entries ------------------------------------------------------------------------------
-def param_entry(tensor: torch.Tensor, meta, state: ParallelState) -> ShardedEntry:
-    """This rank's shard of a parameter-shaped tensor under its global identity (padding rows cut)."""
+def param_entry(tensor: torch.Tensor, meta, state: ParallelState, rows=None) -> ShardedEntry:
+    """This rank's shard of a parameter-shaped tensor under its global identity (padding rows cut).
+    `rows`: [(local row, global expert)] of a vExpert slot stack (`moe/vexperts.py`), one chunk each."""
     shape, offsets = list(meta.global_shape), meta.offsets(state)
+    if rows is not None:
+        return ShardedEntry(tuple(shape), [(tensor.data[k: k + 1], (e,) + tuple(offsets[1:])) for k, e in rows])
     chunk = tensor.data
     if meta.valid_rows is not None:
         shape[0] = meta.valid_rows
@@ -65,7 +71,11 @@ def param_entry(tensor: torch.Tensor, meta, state: ParallelState) -> ShardedEntr
 
 
 def model_entries(model: torch.nn.Module, state: ParallelState) -> Dict[str, ShardedEntry]:
-    return {f"model/{name}": param_entry(p, p.meta, state) for name, p in model.named_parameters()}
+    return {f"model/{name}": param_entry(p, p.meta, state, _rows(p)) for name, p in model.named_parameters()}
+
+
+def _rows(p: torch.nn.Parameter):
+    return p.expert_rows() if hasattr(p, "expert_rows") else None
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
@@ -80,8 +90,8 @@ def optimizer_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     out = {}
     for name, p in model.named_parameters():
         st = adam_states[name] if adam_states is not None else _adam_state(optimizer, p)
-        out[f"optim/{name}/exp_avg"] = param_entry(st["exp_avg"], p.meta, state)
-        out[f"optim/{name}/exp_avg_sq"] = param_entry(st["exp_avg_sq"], p.meta, state)
+        out[f"optim/{name}/exp_avg"] = param_entry(st["exp_avg"], p.meta, state, _rows(p))
+        out[f"optim/{name}/exp_avg_sq"] = param_entry(st["exp_avg_sq"], p.meta, state, _rows(p))
         out[f"optim/{name}/step"] = full_entry(st["step"])
     return out
 
@@ -165,6 +175,9 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     entries.update({k: full_entry(v) for k, v in _rng_states(model, state).items()})
     meta = {"iteration": iteration, "consumed_samples": iteration * cfg.training.global_batch_size,
             "layout": layout_dict(state), "has_optimizer": True, "trainer": trainer_state or {}}
+    balancers = _balancer_states(model)
+    if balancers:
+        meta["balancers"] = {"balancer": cfg.moe.balancer, "layout": layout_dict(state), "layers": balancers}
     return write_checkpoint_dir(cfg.checkpoint.dir, iteration, entries, meta, to_yaml(cfg), state,
                                 cfg.checkpoint.keep_last)
 
@@ -266,6 +279,9 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
         raise CheckpointError(
             f"checkpoint {path} consumed {meta['consumed_samples']} samples in {meta['iteration']} iterations, but "
             f"training.global_batch_size={cfg.training.global_batch_size}: resuming needs the same global batch size")
+    saved = meta.get("balancers")
+    if saved and saved["balancer"] == cfg.moe.balancer and saved["layout"] == layout_dict(state):
+        _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
     entries = model_entries(model, state)
     adam_states = None
     if optimizer is not None and meta.get("has_optimizer"):
@@ -282,10 +298,30 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
                 entries[key] = full_entry(rng[key])
     with torch.no_grad():
         load_entries(entries, path)
+    for name, p in model.named_parameters():  # vExperts held twice on a rank: one copy was loaded
+        if hasattr(p, "vexpert_slots"):
+            fill_duplicates(p.vexpert_slots, [p.data] + ([adam_states[name]["exp_avg"], adam_states[name]["exp_avg_sq"]]
+                                                         if adam_states is not None else []))
     if adam_states is not None:
         _set_adam_states(model, optimizer, adam_states)
     _set_rng_states(model, state, rng)
     return meta
+
+
+def _balancer_states(model: torch.nn.Module) -> Dict[str, dict]:
+    """{MoE layer index: its balancer's `state_dict()`} for balancers that have state (vExperts)."""
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+    return {str(layer.layer_index): st for layer in layers if (st := layer.balancer.state_dict())}
+
+
+def _load_balancer_states(model: torch.nn.Module, states: Dict[str, dict]) -> None:
+    """Restore each layer's balancer state where its vExpert slots have the saved shape (a run
+    with another slot count starts from the owners' layout)."""
+    for layer in model.moe_layers():
+        st = states.get(str(layer.layer_index))
+        table = layer.experts.slot_table
+        if st is not None and table is not None and list(table.shape) == [len(st["slots"]), len(st["slots"][0])]:
+            layer.balancer.load_state_dict(st)
 
 
 def _set_adam_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

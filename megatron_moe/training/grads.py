@@ -16,7 +16,8 @@ so there is one all-reduce per bucket and group, not one per parameter.
 Global grad norm: each parameter counted exactly once. A param's squared norm is summed over the
 groups in ``p.meta.shards`` (its shards are disjoint pieces); replicated copies (over dp, edp, tp,
 esp) are identical after `sync` and are not summed -- the classic MoE bug counts expert or
-tp-replicated params once per copy.
+tp-replicated params once per copy. vExpert slots holding the same expert (FlexMoE, EPLB) count
+once too (`_squared_norm`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ BUCKET_BYTES = 32 << 20
 # replicated there and averaged over it
 _COMPUTE_GROUP = {"dense": "tp", "expert": "esp"}
 _REPLICA_GROUP = {"dense": "dp", "expert": "edp"}
+
+
+def _squared_norm(p: torch.nn.Parameter) -> torch.Tensor:
+    """Squared norm of this rank's gradient of `p`; of a vExpert slot stack (moe/vexperts.py) only
+    the slots that are their expert's first copy count (the others hold the same gradient)."""
+    squared = p.grad.float().pow(2)
+    slots = getattr(p, "vexpert_slots", None)
+    if slots is None:
+        return squared.sum()
+    return squared.flatten(1).sum(1)[slots.canonical_mask(slots.ep_rank).to(p.grad.device)].sum()
 
 
 @dataclass
@@ -115,7 +126,7 @@ class GradSync:
         """Global L2 norm of the (synced) gradient, every parameter counted once; same on all ranks."""
         self._fill_missing_grads()
         keys = sorted(self.norm_keys)
-        sq = torch.stack([torch.stack([p.grad.float().pow(2).sum() for p in self.norm_keys[k]]).sum()
+        sq = torch.stack([torch.stack([_squared_norm(p) for p in self.norm_keys[k]]).sum()
                           for k in keys])  # [num keys] local squared norms
         for name in sorted({g for k in keys for g in k}):
             rows = [i for i, k in enumerate(keys) if name in k]

@@ -21,7 +21,7 @@ import math
 import os
 import resource
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
 from megatron_moe.moe.stats import IterationMoEStats
+from megatron_moe.moe.vexperts import MOVE_KIND
 from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
@@ -72,6 +73,7 @@ class Trainer:
         self.timer = PhaseTimer(self.device)  # forward / backward / optimizer seconds of the iteration
         self.skipped_iterations = 0  # non-finite updates dropped (training.on_nonfinite=skip)
         self.routed_per_source = None  # Long[dp, moe layers, E + 1] of the last iteration: counts | dropped
+        self.vexpert_slots = None  # per MoE layer Int[ep, V]: the vExpert placement after the last iteration
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if tr.precision == "bf16" else contextlib.nullcontext())
 
@@ -131,6 +133,16 @@ class Trainer:
                 "moe_schedule": [dict(c) for c in moe.schedules], "moe_replicas": replicas,
                 **{key: timing[:, j].tolist() for j, key in enumerate(TIMING_KEYS)}}
 
+    def vexpert_metrics(self, moe_layers, moves: List[int]) -> Record:
+        """Per MoE layer: vExpert primitives executed after this iteration's step; over the run and
+        all layers: how many of each kind (FlexMoE's Expand / Shrink / Migrate)."""
+        totals: Dict[str, int] = {}
+        for layer in moe_layers:
+            for kind, n in getattr(layer.balancer, "ops_total", {}).items():
+                totals[kind] = totals.get(kind, 0) + n
+        self.vexpert_slots = [layer.experts.slot_table.slots.copy() for layer in moe_layers]
+        return {"vexpert_moves": moves, "vexpert_ops_total": totals}
+
     def memory_metrics(self) -> Record:
         """Peak memory so far, MB, {"rank<r>": MB} over the world: resident set size
         (`max_rss_mb`) and, on CUDA, the allocator's peak (`cuda_peak_mb`)."""
@@ -153,6 +165,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.timer.reset()
         sums, moe = self.forward_backward(iteration - 1)
+        moe_layers = self.model.moe_layers()
+        for layer in moe_layers:  # vExperts: the slots of an expert sum their gradients
+            layer.balancer.before_grad_sync()
         self.grads.sync()
         grad_norm = self.grads.clip(self.cfg.optimizer.clip_grad)
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()
@@ -167,7 +182,15 @@ class Trainer:
                                  "stopping without applying it (training.on_nonfinite=stop)")
         else:
             self.skipped_iterations += 1
+        # vExperts: FlexMoE / EPLB move slots (weights + AdamW moments) between iterations
+        moves = [layer.balancer.after_optimizer_step(iteration, self.optimizer) for layer in moe_layers]
         moe_metrics = self.moe_metrics(moe)
+        if any(layer.experts.slot_table is not None for layer in moe_layers):
+            moe_metrics.update(self.vexpert_metrics(moe_layers, moves))
+            after = collectives.COMM_STATS.bytes_by_kind()  # the moves ran after the snapshot above
+            comm_bytes.update({k: v for k, v in after.items() if k == MOVE_KIND})
+            for key, seconds in collectives.COMM_STATS.seconds_by_kind().items():
+                comm_times[key].update({k: v for k, v in seconds.items() if k == MOVE_KIND})
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -295,3 +318,9 @@ class Trainer:
 
             metrics.image("expert_load/heatmap", figure_rgb(heatmap_figure(routed[..., :-1].sum(0).numpy(), iteration)),
                           iteration)
+            if self.vexpert_slots is not None:
+                from megatron_moe.moe.load_plots import placement_figure
+
+                for layer, slots in zip(self.model.moe_layers(), self.vexpert_slots):
+                    metrics.image(f"vexperts/layer{layer.layer_index}",
+                                  figure_rgb(placement_figure(slots, layer.layer_index, iteration)), iteration)

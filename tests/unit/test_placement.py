@@ -64,7 +64,7 @@ def test_invalid_placements_raise_even_under_python_O():
     table[0, 0] = torch.tensor([2, 1])
     with pytest.raises(ValueError, match="no replica"):
         Placement(((0,), (0,), (1,), (1,)), table)
-    with pytest.raises(ValueError, match="owner first"):
+    with pytest.raises(ValueError, match="holding it first"):
         Placement(((1, 0), (0,), (1,), (1,)), table)
     with pytest.raises(ValueError, match="does not match"):
         Placement(((0,), (0,), (1,)), table)

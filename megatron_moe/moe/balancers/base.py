@@ -8,7 +8,7 @@ in each MoE layer, so a policy may keep per-layer history.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -21,11 +21,16 @@ from megatron_moe.moe.placement import Placement
 class Balancer(ABC):
     plans_during_dispatch = False  # `observe` runs while the dispatch all-to-all is in flight
     prefetches_trans = False  # the block before issues this layer's Trans (moe/cross_layer.py)
+    slots_per_rank: Optional[int] = None  # persistent vExpert slots per EP rank (moe/vexperts.py), or owners
 
     def __init__(self, cfg: Config, state: ParallelState):
         self.num_experts = cfg.moe.num_experts
         self.ep_size = state.ep_size
         self.last_plan_seconds = 0.0  # time `observe` spent planning in the latest forward
+        self.last_moves = 0  # vExpert primitives executed after the latest optimizer step
+
+    def attach(self, experts) -> None:
+        """The layer's `Experts` (built with `slots_per_rank`), for balancers that move its state."""
 
     @abstractmethod
     def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
@@ -37,6 +42,22 @@ class Balancer(ABC):
     def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
         """Called once per training forward with the counts the executed placement dealt out:
         where a policy learns from this forward for the next ones (Pro-Prophet's `Plan`)."""
+
+    def before_grad_sync(self) -> None:
+        """After the iteration's backward passes, before the data-parallel gradient all-reduce
+        (collective where a balancer needs it: vExperts sum their replicas' gradients)."""
+
+    def after_optimizer_step(self, iteration: int, optimizer) -> int:
+        """Collective hook after iteration `iteration`'s optimizer step (vExpert moves); returns the
+        primitives executed."""
+        return 0
+
+    def state_dict(self) -> dict:
+        """JSON-able state a checkpoint keeps (a vExpert placement and what its planner learned)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict` (only on the layout it was saved under)."""
 
 
 @BALANCERS.register("none")

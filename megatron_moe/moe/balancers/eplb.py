@@ -1,0 +1,77 @@
+"""DeepSeek's Expert Parallelism Load Balancer as a training balancer (`moe.balancer: eplb`).
+
+The replica planner of DeepSeek-V3's deployment (arXiv:2412.19437 §3.4; deepseek-ai/EPLB, written
+from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `moe/vexperts.py`
+(the same slots, moves and routing as FlexMoE). Every EP rank has (E + `moe.eplb.redundant_slots`)
+/ ep slots, all filled once the first plan runs. Every `moe.eplb.interval` iterations, per layer:
+
+    load  = moving average of each expert's rows per iteration (`moe.eplb.ema`: weight of the
+            newest window)
+    plan  = replicate the heaviest experts (by load per replica) into the redundant slots, pack
+            the replicas onto ranks by balanced greedy packing; hierarchical (experts packed onto
+            nodes first) when `parallel.ranks_per_node` splits the ``ep`` group over nodes
+
+EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
+new experts keep the slots they already had, so only the cells that change move. The FlexMoE
+docs section compares the two on the same traces.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.moe.balancers.eplb_plan import rebalance
+from megatron_moe.moe.balancers.vexpert_base import SlotBalancer, ep_ranks_per_node
+
+
+def eplb_slots_per_rank(cfg, ep_size: int) -> int:
+    """(E + `moe.eplb.redundant_slots`) / ep; redundant_slots null = one per EP rank (none on one)."""
+    redundant = cfg.moe.eplb.redundant_slots
+    if redundant is None:
+        redundant = ep_size if ep_size > 1 else 0
+    return (cfg.moe.num_experts + redundant) // ep_size
+
+
+def keep_in_place(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """`new` [ep, V] with each rank's experts reordered so that an expert the rank already holds
+    keeps its slot (the others fill the remaining slots in ascending order)."""
+    placed = np.full_like(new, -1)
+    for q in range(new.shape[0]):
+        todo = sorted(new[q].tolist())
+        for k, e in enumerate(old[q].tolist()):
+            if e in todo:
+                placed[q, k] = e
+                todo.remove(e)
+        placed[q][placed[q] == -1] = todo
+    return placed
+
+
+@BALANCERS.register("eplb")
+class EPLB(SlotBalancer):
+    """Replicate heavy experts into redundant slots, pack replicas onto ranks (no move cost)."""
+
+    def __init__(self, cfg, state):
+        eplb = cfg.moe.eplb
+        super().__init__(cfg, state, eplb_slots_per_rank(cfg, state.ep_size), eplb.interval)
+        self.ema_weight = eplb.ema
+        self.ranks_per_node = ep_ranks_per_node(state)
+        self.average: Optional[np.ndarray] = None  # [E] moving average of rows per iteration
+
+    def propose(self, load: np.ndarray):
+        loads = load.sum(0)
+        self.average = loads if self.average is None else \
+            self.ema_weight * loads + (1 - self.ema_weight) * self.average
+        plan, _ = rebalance(self.average, self.ep_size, self.slots_per_rank, self.ranks_per_node)
+        old = self.table.slots
+        new = keep_in_place(old, plan)
+        changed = new != old
+        return new, {"expand": int((changed & (new >= 0)).sum()), "shrink": int((changed & (old >= 0)).sum())}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "average": None if self.average is None else self.average.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.average = None if state.get("average") is None else np.array(state["average"], dtype=np.float64)

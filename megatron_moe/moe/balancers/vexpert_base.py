@@ -1,0 +1,111 @@
+"""What the persistent-replica balancers (FlexMoE, EPLB) share (`moe/vexperts.py` has the mechanism).
+
+Per layer, every iteration:
+
+* `plan`: FlexMoE's flexible token routing (Alg. 3, `flexmoe_plan.flexible_routing`) over the
+  current slots, rounded to whole rows (`vexperts.integer_routing`): each source's rows of an
+  expert stay on its own rank up to that rank's share of the expert, the rest go to the other
+  holders by free capacity. The result is a `Placement.on_slots`, so every schedule executes it.
+* `observe`: adds the forward's rows per (source EP rank, expert) to the decision window.
+* `before_grad_sync`: the slots of each expert sum their gradients (`sync_replica_grads`).
+* `after_optimizer_step`: every `interval` iterations the window is averaged over the ``edp``
+  groups (one all-reduce, so every rank decides the same) and over its iterations, the subclass
+  proposes new slots (`propose`), and `relocate` moves weights and AdamW moments there.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from megatron_moe.distributed import collectives as C
+from megatron_moe.moe.balancers.base import Balancer
+from megatron_moe.moe.balancers.fastermoe import rows_per_rank
+from megatron_moe.moe.balancers.flexmoe_plan import flexible_routing
+from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.vexperts import integer_routing, optimizer_tensors, relocate, sync_replica_grads
+
+OP_KINDS = ("expand", "shrink", "migrate")
+
+
+class SlotBalancer(Balancer):
+    """Base of balancers whose replicas are persistent vExpert slots."""
+
+    def __init__(self, cfg, state, slots_per_rank: int, interval: int):
+        super().__init__(cfg, state)
+        self.state, self.slots_per_rank, self.interval = state, slots_per_rank, interval
+        self.window = np.zeros((self.ep_size, self.num_experts))  # rows per (source EP rank, expert)
+        self.window_iterations = 0
+        self.ops_total: Dict[str, int] = {kind: 0 for kind in OP_KINDS}
+        self.experts = None
+
+    def attach(self, experts) -> None:
+        self.experts = experts
+
+    @property
+    def table(self):
+        return self.experts.slot_table
+
+    def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
+        slots = self.table.slots
+        held = np.zeros((self.num_experts, self.ep_size), dtype=bool)  # [E, ep]
+        ranks, cells = np.nonzero(slots >= 0)
+        held[slots[ranks, cells], ranks] = True
+        counts_np = counts.long().numpy()
+        fractions = flexible_routing(counts_np, source_ep_ranks, slots)  # Alg. 3, Float[S, E, ep]
+        table = integer_routing(fractions, counts_np, held)
+        return Placement.on_slots(table, [self.table.resident(q) for q in range(self.ep_size)])
+
+    def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
+        self.window += rows_per_rank(counts, source_ep_ranks, self.ep_size).numpy()
+
+    def before_grad_sync(self) -> None:
+        sync_replica_grads(self.experts.stacks(), self.table, self.state.ep)
+
+    def after_optimizer_step(self, iteration: int, optimizer) -> int:
+        self.window_iterations += 1
+        self.last_moves = 0
+        if iteration % self.interval:
+            return 0
+        window = torch.from_numpy(self.window)
+        if self.state.edp_size > 1:  # every ep_esp group saw its own tokens: decide on their mean
+            window = C.all_reduce(window.clone(), self.state.edp, kind="vexpert_plan") / self.state.edp_size
+        load = window.numpy() / max(self.window_iterations, 1)  # [ep, E] rows per iteration
+        self.window[:], self.window_iterations = 0.0, 0
+        new_slots, ops = self.propose(load)
+        if new_slots is not None and not np.array_equal(new_slots, self.table.slots):
+            relocate(self.table, new_slots, optimizer_tensors(self.experts.stacks(), optimizer), self.state.ep)
+        for kind in OP_KINDS:
+            self.ops_total[kind] += ops.get(kind, 0)
+        self.last_moves = sum(ops.values())
+        return self.last_moves
+
+    def propose(self, load: np.ndarray):
+        """load [ep, E] (mean rows per iteration from each EP rank's sources to each expert) ->
+        (new slots Int[ep, V] or None, {op kind: primitives that give them})."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"slots": self.table.slots.tolist(), "window": self.window.tolist(),
+                "window_iterations": self.window_iterations, "ops_total": dict(self.ops_total)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.table.slots = self.table.checked(state["slots"])
+        self.window = np.array(state["window"], dtype=np.float64).reshape(self.window.shape)
+        self.window_iterations = int(state["window_iterations"])
+        self.ops_total = {kind: int(state["ops_total"].get(kind, 0)) for kind in OP_KINDS}
+
+
+def ep_ranks_per_node(state) -> Optional[int]:
+    """EP ranks per node when the ``ep`` group's nodes (`parallel.ranks_per_node`) are equal
+    blocks of consecutive EP ranks; None when it sits on one node or is spread otherwise."""
+    group = state.ep
+    nodes = [group.global_rank(q) // group.ranks_per_node for q in range(group.size)] if group.ranks_per_node else []
+    if len(set(nodes)) <= 1:
+        return None
+    per_node = group.size // len(set(nodes))
+    if group.size % len(set(nodes)) or nodes != sorted(nodes) or any(
+            nodes[q] != nodes[q - q % per_node] for q in range(group.size)):
+        return None
+    return per_node

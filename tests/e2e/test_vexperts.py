@@ -1,0 +1,109 @@
+"""FlexMoE and EPLB vExperts through the real entry point (issue #11): 20 iterations with slots
+moving (weights and AdamW moments) give the losses, final parameters and optimizer state of one
+process, on expert=2, expert=4 and tensor=2 expert=2 expert_shard=2 with s2 + SAA; a run saved
+mid-way with vExperts in place resumes identically on its layout and on one process."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_moe.convert.offline import read_checkpoint
+from megatron_moe.training.checkpoint import read_meta
+from tests.e2e.test_train_cli import INVARIANCE, train
+
+pytestmark = pytest.mark.e2e
+# 20 iterations, 4 micro-batches of 2 per iteration on one process, checkpoints after 10 and 20
+RUN = INVARIANCE + ["training.train_iters=20", "training.micro_batch_size=2", "checkpoint.save_interval=10",
+                    "checkpoint.keep_last=0"]
+LAYOUTS = {"ep2": (2, ["parallel.expert=2"]), "ep4": (4, ["parallel.expert=4"]),
+           "tp2-ep2-esp2-s2-saa": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2",
+                                       "moe.schedule=s2", "moe.saa=true"])}
+
+
+def _cheap_moves_profile(tmp_path) -> str:
+    """The 2-process CPU profile with point-to-point traffic ~free: FlexMoE's cost model then
+    expands, shrinks and migrates often on the tiny model (with real costs it rarely moves)."""
+    with open("configs/hardware/cpu_gloo_2proc.yaml") as f:
+        profile = yaml.safe_load(f)
+    profile["p2p"]["alpha"], profile["p2p"]["beta"] = 0.0, 1e-16
+    path = tmp_path / "cheap_moves.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return str(path)
+
+
+BALANCERS = {"flexmoe": lambda tmp: ["moe.balancer=flexmoe", "moe.flexmoe.threshold=1.0", "moe.flexmoe.interval=1",
+                                     f"perf.hardware_profile={_cheap_moves_profile(tmp)}"],
+             "eplb": lambda tmp: ["moe.balancer=eplb", "moe.eplb.interval=2"]}
+
+
+def _same_curve(got, ref, rel):
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref]
+    for a, b in zip(got, ref):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=rel), (a["iteration"], key)
+
+
+def _same_state(path, ref_path):
+    """Every model and AdamW tensor of two checkpoints (global identities: one copy per expert),
+    by relative L2 error: expert weights (what the slots hold and move) within 1e-5 and their AdamW
+    moments within 5e-5 (the second moment squares the gradients' rounding); the others within
+    1e-3, because the attention's key bias has a zero gradient in exact arithmetic, so AdamW
+    turns its float noise into lr-sized steps on any layout (1 process vs 2 disagree as much)."""
+    _, _, got = read_checkpoint(path)
+    _, _, want = read_checkpoint(ref_path)
+    keys = sorted(k for k in want if k.startswith(("model/", "optim/")))
+    assert keys and sorted(k for k in got if k.startswith(("model/", "optim/"))) == keys
+    assert any(".experts." in k for k in keys)
+    for key in keys:
+        error = float((got[key] - want[key]).float().norm() / want[key].float().norm().clamp_min(1e-30))
+        tolerance = (1e-5 if key.startswith("model/") else 5e-5) if ".experts." in key else 1e-3
+        assert error <= tolerance, (key, error)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    records, _ = train(1, RUN + [f"checkpoint.dir={root / 'ckpt'}"], root / "run")
+    return records, root / "ckpt"
+
+
+@pytest.mark.parametrize("balancer", sorted(BALANCERS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_vexperts_train_like_one_process(balancer, layout, reference, tmp_path):
+    ref_records, ref_ckpt = reference
+    nproc, overrides = LAYOUTS[layout]
+    images = ["logging.tensorboard=true", "logging.image_interval=10"] if (layout, balancer) == ("ep2", "eplb") else []
+    records, _ = train(nproc, RUN + overrides + BALANCERS[balancer](tmp_path) + images +
+                       [f"checkpoint.dir={tmp_path / 'ckpt'}"], tmp_path / "run")
+    _same_curve(records, ref_records, rel=1e-5)
+    _same_state(tmp_path / "ckpt" / "iter_0000020", ref_ckpt / "iter_0000020")
+    totals = records[-1]["vexpert_ops_total"]
+    kinds = ("expand", "shrink", "migrate") if balancer == "flexmoe" else ("expand", "shrink")
+    assert all(totals[kind] > 0 for kind in kinds), totals  # the slots really moved
+    assert sum(sum(r["vexpert_moves"]) for r in records) == sum(totals.values())
+    assert any(r["comm_bytes"].get("vexpert_move", 0) > 0 for r in records)
+    assert all(n >= 0 for r in records for n in r["moe_replicas"]) and any(
+        n > 0 for r in records for n in r["moe_replicas"])
+    if layout == "ep2" and balancer == "eplb":  # the placement image, every logging.image_interval iterations
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"images": 0}).Reload()
+        assert [e.step for e in events.Images("vexperts/layer1")] == [10, 20]
+    if layout == "ep2" and balancer == "flexmoe":  # resume mid-run with vExperts in place
+        middle = tmp_path / "ckpt" / "iter_0000010"
+        resumed, out = train(nproc, RUN + overrides + BALANCERS[balancer](tmp_path) +
+                             [f"checkpoint.load={middle}", "checkpoint.save_interval=0"], tmp_path / "same")
+        assert "resumed from" in out
+        assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in records[10:]]
+        one, _ = train(1, RUN + BALANCERS[balancer](tmp_path) +
+                       [f"checkpoint.load={middle}", "checkpoint.save_interval=0"], tmp_path / "one")
+        _same_curve(one, ref_records[10:], rel=1e-5)
+        # resharding keeps the tensors (one copy per expert) and drops the old layout's slots
+        assert read_meta(str(middle))["balancers"]["balancer"] == "flexmoe"
+        reshard = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "reshard", "--input", str(middle),
+                                  "--output", str(tmp_path / "ep4"), "--tensor", "1", "--expert", "4",
+                                  "--expert-shard", "1"], capture_output=True, text=True, check=True)
+        assert "wrote" in reshard.stdout
+        assert "balancers" not in read_meta(str(tmp_path / "ep4" / "iter_0000010"))
+        _same_state(tmp_path / "ep4" / "iter_0000010", middle)

@@ -1,0 +1,395 @@
+"""Persistent vExperts (moe/vexperts.py, balancers/eplb.py, balancers/flexmoe.py, Placement.on_slots):
+the pure pieces, no process groups. Slot tables, transfer plans and integer routing on hand-worked
+examples, plus random checks against small brute-force references."""
+import numpy as np
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from megatron_moe.config import ConfigError, load_config, validate_config
+from megatron_moe.moe.balancers.eplb import eplb_slots_per_rank, keep_in_place
+from megatron_moe.moe.balancers.flexmoe import flexmoe_slots_per_rank
+from megatron_moe.moe.balancers.flexmoe_plan import flexible_routing
+from megatron_moe.moe.load_plots import figure_rgb, placement_figure
+from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.vexperts import (SlotTable, Transfer, expert_rows, fill_duplicates, integer_routing,
+                                       plan_transfers)
+from tests.unit.test_flexmoe_plan import _random_slots
+
+TINY = "configs/gpt_moe_tiny.yaml"  # num_experts 8
+
+
+def _random_shape(rng):
+    num_ranks, slots_per_rank = int(rng.integers(2, 5)), int(rng.integers(2, 5))
+    return num_ranks, slots_per_rank, int(rng.integers(1, num_ranks * slots_per_rank + 1))
+
+
+# -- SlotTable ------------------------------------------------------------------------------------
+def test_initial_layout():
+    table = SlotTable.initial(num_experts=8, ep_size=2, slots_per_rank=5, ep_rank=1)
+    assert table.slots.tolist() == [[0, 1, 2, 3, -1], [4, 5, 6, 7, -1]]
+    assert table.shape == (2, 5) and table.ep_rank == 1
+    assert table.resident(0) == [0, 1, 2, 3] and table.resident(1) == [4, 5, 6, 7]
+    assert table.compute_slots(1) == [0, 1, 2, 3]
+    assert table.copies().tolist() == [1] * 8 and table.extra_vexperts == 0
+    # no free slot: V = E / ep
+    assert SlotTable.initial(6, 3, 2, 0).slots.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("slots,needle", [
+    ([[0, 1], [1, -1]], "[2]"),  # expert 2 has no copy
+    ([[0, 1], [2, 3]], "[-1, 3)"),  # id 3 out of range for E = 3
+    ([[0, 1], [2, -2]], "[-1, 3)"),  # below -1
+    ([0, 1, 2], "[ep, V]"),  # 1-D
+    ([[[0, 1, 2]]], "[ep, V]"),  # 3-D
+])
+def test_checked_rejects(slots, needle):
+    with pytest.raises(ValueError) as e:
+        SlotTable(np.array(slots), num_experts=3, ep_rank=0)
+    assert needle in str(e.value)
+    SlotTable(np.array([[0, 1], [2, -1]]), num_experts=3, ep_rank=0)  # the valid neighbour passes
+
+
+def test_resident_compute_slots_copies_with_duplicates_and_free_slots():
+    table = SlotTable(np.array([[5, -1, 3, 5], [0, 1, 2, 4]]), num_experts=6, ep_rank=0)
+    assert table.resident(0) == [3, 5] and table.compute_slots(0) == [2, 0]
+    assert table.resident(1) == [0, 1, 2, 4] and table.compute_slots(1) == [0, 1, 2, 3]
+    assert table.copies().tolist() == [1, 1, 1, 1, 1, 2]
+    assert table.extra_vexperts == 1  # 7 filled slots, 6 experts
+
+
+# rank 0: a co-located duplicate of 5 and a free slot; rank 1: a replica of 3; rank 2: replicas of 5, 0
+THREE_RANKS = np.array([[5, -1, 3, 5], [0, 3, 2, 4], [1, 5, -1, 0]])
+
+
+def test_canonical_mask_first_copy_in_rank_slot_order():
+    tables = [SlotTable(THREE_RANKS, 6, q) for q in range(3)]
+    masks = [t.canonical_mask(q) for q, t in enumerate(tables)]
+    assert all(m.dtype == torch.bool for m in masks)
+    # (0,0)=5 first, (0,2)=3 first, (0,3)=5 dup; (1,0)=0, (1,2)=2, (1,3)=4 first, (1,1)=3 dup;
+    # (2,0)=1 first, (2,1)=5 and (2,3)=0 dups; free slots never
+    assert [m.tolist() for m in masks] == [[True, False, True, False], [True, False, True, True],
+                                           [True, False, False, False]]
+    # brute-force: first occurrence while scanning (rank, slot)
+    seen, expected = set(), np.zeros(THREE_RANKS.shape, dtype=bool)
+    for q in range(3):
+        for k in range(4):
+            e = int(THREE_RANKS[q, k])
+            if e >= 0 and e not in seen:
+                seen.add(e)
+                expected[q, k] = True
+    assert np.array_equal(np.stack([m.numpy() for m in masks]), expected)
+    # a per-slot quantity (say a squared norm (e + 1)^2) summed over masked slots counts each expert once
+    per_slot = torch.from_numpy(np.where(THREE_RANKS >= 0, (THREE_RANKS + 1.0) ** 2, 0.0))
+    assert sum(float(per_slot[q][masks[q]].sum()) for q in range(3)) == 91.0  # 1 + 4 + ... + 36
+    assert float(per_slot.sum()) != 91.0  # without the mask the duplicates count again
+    assert tables[0].copies().tolist() == [2, 1, 1, 2, 1, 3]
+    assert tables[0].extra_vexperts == 4  # 10 filled slots - 6 experts
+
+
+def test_canonical_mask_random_counts_each_expert_once():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        num_ranks, per_rank, num_experts = _random_shape(rng)
+        slots = _random_slots(rng, num_ranks, per_rank, num_experts)
+        table = SlotTable(slots, num_experts, 0)
+        hits = np.zeros(num_experts, dtype=np.int64)
+        for q in range(num_ranks):
+            mask = table.canonical_mask(q).numpy()
+            assert (slots[q][mask] >= 0).all()
+            np.add.at(hits, slots[q][mask], 1)
+        assert hits.tolist() == [1] * num_experts
+        assert table.copies().tolist() == [int((slots == e).sum()) for e in range(num_experts)]
+
+
+# -- expert_rows, fill_duplicates -------------------------------------------------------------------
+def test_expert_rows():
+    assert expert_rows(SlotTable(THREE_RANKS, 6, 0)) == [(2, 3), (0, 5)]
+    assert expert_rows(SlotTable(THREE_RANKS, 6, 1)) == [(0, 0), (2, 2), (1, 3), (3, 4)]
+    assert expert_rows(SlotTable(THREE_RANKS, 6, 2)) == [(3, 0), (0, 1), (1, 5)]
+
+
+def test_fill_duplicates_copies_first_slot_only_into_duplicates():
+    table = SlotTable(np.array([[2, 0, 2, 2, -1], [1, -1, -1, -1, -1]]), num_experts=3, ep_rank=0)
+    a = torch.arange(10.0).view(5, 2)
+    b = 100 + torch.arange(15.0).view(5, 3)
+    before_a, before_b = a.clone(), b.clone()
+    fill_duplicates(table, [a, b])
+    assert a.tolist() == [[0, 1], [2, 3], [0, 1], [0, 1], [8, 9]]  # slots 2, 3 <- slot 0; 1 and 4 untouched
+    for t, old in ((a, before_a), (b, before_b)):
+        for k in (2, 3):
+            assert torch.equal(t[k], old[0])
+        for k in (0, 1, 4):
+            assert torch.equal(t[k], old[k])
+    # a rank without duplicates is left alone
+    other = SlotTable(np.array([[2, 0, 2, 2, -1], [1, -1, -1, -1, -1]]), num_experts=3, ep_rank=1)
+    c = torch.arange(10.0).view(5, 2)
+    fill_duplicates(other, [c])
+    assert torch.equal(c, torch.arange(10.0).view(5, 2))
+
+
+# -- plan_transfers ---------------------------------------------------------------------------------
+def test_plan_transfers_local_from_first_slot_of_same_rank():
+    old = np.array([[0, 2, 0, -1], [1, 2, 3, -1]])
+    new = np.array([[0, 2, 0, 0], [1, 2, 3, -1]])
+    # rank 0 holds 0 in slots 0 and 2: the first one is the source
+    assert plan_transfers(old, new) == [Transfer(expert=0, src_rank=0, src_slot=0, dst_rank=0, dst_slot=3)]
+    # rank 1 holds 2 (slot 1) and so does rank 0: stay local anyway
+    new = np.array([[0, 2, 0, -1], [1, 2, 2, -1]])
+    assert plan_transfers(old, new) == [Transfer(2, 1, 1, 1, 2)]
+
+
+def test_plan_transfers_spreads_sources_then_lowest_rank():
+    # expert 0 on ranks 0 and 1; ranks 2 and 3 receive it: first from rank 0 (tie), then rank 1
+    old = np.array([[0, 1], [0, 2], [3, -1], [1, -1]])
+    new = np.array([[0, 1], [0, 2], [3, 0], [1, 0]])
+    assert plan_transfers(old, new) == [Transfer(0, 0, 0, 2, 1), Transfer(0, 1, 0, 3, 1)]
+    # the load counts across experts: 1 comes from rank 0 (tie), then 0 from rank 1 (fewer sent),
+    # from rank 1's first slot of 0 (slot 1)
+    old = np.array([[0, 1, -1], [1, 0, 0], [2, -1, -1]])
+    new = np.array([[0, 1, -1], [1, 0, 0], [2, 1, 0]])
+    assert plan_transfers(old, new) == [Transfer(1, 0, 1, 2, 1), Transfer(0, 1, 1, 2, 2)]
+    # a local transfer sends nothing: rank 0 is still the least loaded holder afterwards
+    old = np.array([[0, 1, -1], [0, 1, -1], [2, -1, -1]])
+    new = np.array([[0, 1, 0], [0, 1, -1], [2, 0, -1]])
+    assert plan_transfers(old, new) == [Transfer(0, 0, 0, 0, 2), Transfer(0, 0, 0, 2, 1)]
+
+
+def test_plan_transfers_nothing_for_freed_or_unchanged_cells():
+    old = np.array([[0, 1, 1], [2, 3, -1]])
+    assert plan_transfers(old, old.copy()) == []
+    assert plan_transfers(old, np.array([[0, 1, -1], [2, 3, -1]])) == []  # Shrink
+    # Shrinks (0,1) and (1,1) move nothing; (0,2) gets 3 from rank 1, (1,2) gets 1 from rank 0
+    got = plan_transfers(old, np.array([[0, -1, 3], [2, -1, 1]]))
+    assert got == [Transfer(3, 1, 1, 0, 2), Transfer(1, 0, 1, 1, 2)]
+
+
+def test_plan_transfers_random_reaches_new_table():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        num_ranks, per_rank, num_experts = _random_shape(rng)
+        old = _random_slots(rng, num_ranks, per_rank, num_experts)
+        new = _random_slots(rng, num_ranks, per_rank, num_experts)
+        if rng.random() < 0.3:  # some pairs differ in a few cells only
+            new = old.copy()
+            q, k = int(rng.integers(num_ranks)), int(rng.integers(per_rank))
+            new[q, k] = int(rng.integers(-1, num_experts))
+            if not np.isin(np.arange(num_experts), new).all():  # would leave an expert without a copy
+                new = old.copy()
+        transfers = plan_transfers(old, new)
+        content = old.copy()
+        targets = []
+        for t in transfers:
+            assert old[t.src_rank, t.src_slot] == t.expert  # the source held it before the round
+            assert t.src_slot == int(np.flatnonzero(old[t.src_rank] == t.expert)[0])
+            if (old[t.dst_rank] == t.expert).any():
+                assert t.src_rank == t.dst_rank
+            content[t.dst_rank, t.dst_slot] = old[t.src_rank, t.src_slot]
+            targets.append((t.dst_rank, t.dst_slot))
+        filled = new >= 0
+        assert np.array_equal(content[filled], new[filled])
+        # exactly the cells that change to a held expert, once each
+        assert sorted(targets) == sorted(zip(*[a.tolist() for a in np.nonzero((new != old) & filled)]))
+
+
+# -- integer_routing -----------------------------------------------------------------------------------
+def _route(fractions, counts, allowed=None):
+    fractions = np.asarray(fractions, dtype=np.float64)
+    if allowed is None:
+        allowed = np.ones(fractions.shape[1:], dtype=bool)
+    return integer_routing(fractions, np.asarray(counts), np.asarray(allowed)).tolist()
+
+
+def test_integer_routing_by_hand():
+    # floors [0, 1, 1], one row left -> the largest fractional part (rank 0)
+    assert _route([[[0.5, 1.25, 1.25]]], [[3]]) == [[[1, 1, 1]]]
+    # ties go to the lower rank
+    assert _route([[[0.5, 0.5]]], [[1]]) == [[[1, 0]]]
+    assert _route([[[1.5, 0.5, 1.0]]], [[3]]) == [[[2, 0, 1]]]
+    assert _route([[[0.6, 0.7, 0.7]]], [[2]]) == [[[0, 1, 1]]]
+    # a rank not allowed gets nothing, even with a fraction there; its row goes to the allowed ones
+    assert _route([[[0.9, 0.4, 0.4, 0.3]]], [[2]], [[False, True, True, True]]) == [[[0, 1, 1, 0]]]
+    assert _route([[[1.2, 0.4, 0.4]]], [[1]], [[False, True, True]]) == [[[0, 1, 0]]]
+    # float noise around whole numbers
+    assert _route([[[1 - 1e-13, 1 + 1e-13, 1.0]]], [[3]]) == [[[1, 1, 1]]]
+    # several sources and experts at once (S = 2, E = 2, ep = 2)
+    fractions = [[[2.5, 0.5], [0.0, 4.0]], [[1.2, 1.8], [0.25, 0.75]]]
+    assert _route(fractions, [[3, 4], [3, 1]]) == [[[3, 0], [0, 4]], [[1, 2], [0, 1]]]
+
+
+def _reference_rounding(fractions, counts, allowed):
+    """Largest remainder per (s, e) in plain Python: floors, then +1 by fractional part, lower rank first."""
+    out = np.zeros(fractions.shape, dtype=np.int64)
+    num_sources, num_experts, num_ranks = fractions.shape
+    for s in range(num_sources):
+        for e in range(num_experts):
+            ranks = [q for q in range(num_ranks) if allowed[e, q]]
+            f = {q: max(float(fractions[s, e, q]), 0.0) for q in ranks}
+            for q in ranks:
+                out[s, e, q] = int(np.floor(f[q]))
+            left = int(counts[s, e]) - sum(int(out[s, e, q]) for q in ranks)
+            for q in sorted(ranks, key=lambda q: (-(f[q] - np.floor(f[q])), q))[:left]:
+                out[s, e, q] += 1
+    return out
+
+
+def test_integer_routing_random_flexible_routing():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        num_ranks, per_rank, num_experts = _random_shape(rng)
+        slots = _random_slots(rng, num_ranks, per_rank, num_experts)
+        num_sources = int(rng.integers(1, 5))
+        counts = rng.integers(0, 30, size=(num_sources, num_experts))
+        sources = rng.integers(0, num_ranks, size=num_sources).tolist()
+        held = np.zeros((num_experts, num_ranks), dtype=bool)
+        for q in range(num_ranks):
+            held[slots[q][slots[q] >= 0], q] = True
+        fractions = flexible_routing(counts, sources, slots)
+        table = integer_routing(fractions, counts, held)
+        assert table.dtype == torch.int64 and tuple(table.shape) == fractions.shape
+        t = table.numpy()
+        assert np.array_equal(t.sum(2), counts)
+        assert (t[:, ~held] == 0).all()
+        assert (np.abs(t - fractions) < 1 + 1e-9).all()
+        assert ((t == np.floor(fractions + 1e-9)) | (t == np.ceil(fractions - 1e-9))).all()
+        assert np.array_equal(t, _reference_rounding(fractions, counts, held))
+        assert torch.equal(table, integer_routing(fractions.copy(), counts, held))  # deterministic
+        # what SlotBalancer.plan does with it: every row lands on a holder
+        placement = Placement.on_slots(table, [SlotTable(slots, num_experts, 0).resident(q)
+                                               for q in range(num_ranks)])
+        assert int(placement.tokens_per_ep_rank().sum()) == int(counts.sum())
+
+
+# -- Placement.on_slots ----------------------------------------------------------------------------------
+def test_placement_on_slots_with_replica_and_duplicate():
+    # rank 0 holds 1 twice (a duplicate) and a replica of 3; rank 1 a replica of 0
+    table = SlotTable(np.array([[0, 1, 1, 3], [2, 3, 0, -1]]), num_experts=4, ep_rank=0)
+    routing = torch.zeros(2, 4, 2, dtype=torch.long)
+    routing[0, 0] = torch.tensor([2, 1])
+    routing[0, 1, 0] = 1
+    routing[0, 3] = torch.tensor([1, 1])
+    routing[1, 2, 1] = 4
+    routing[1, 3, 1] = 2
+    placement = Placement.on_slots(routing, [table.resident(q) for q in range(2)])
+    assert placement.resident == ((0, 1, 3), (0, 2, 3))
+    assert placement.replicas == ((0, 1), (0,), (1,), (0, 1))
+    assert placement.experts_on(0) == [0, 1, 3] and placement.experts_on(1) == [0, 2, 3]
+    assert placement.replicas_on(0) == [] and placement.replicas_on(1) == []
+    assert placement.transient_replicas() == ((0,), (0,), (1,), (0,))
+    assert placement.num_replicas == 2
+    assert placement.expert_counts(0) == [2, 1, 1] and placement.expert_counts(1) == [1, 4, 3]
+    assert placement.destinations(0).tolist() == [0, 0, 1, 0, 0, 1]  # experts ascending, holders in order
+    # resident given unsorted and with duplicates (a raw slot row) is normalised
+    again = Placement.on_slots(routing, [[3, 1, 0, 1], [3, 0, 2]])
+    assert again.resident == placement.resident and again.replicas == placement.replicas
+
+
+def test_placement_default_resident_is_owners_layout():
+    counts = torch.tensor([[1, 2, 3, 4]])
+    plain = Placement.owner_only(counts, ep_size=2)
+    assert plain.resident == ((0, 1), (2, 3))
+    assert plain.experts_on(0) == [0, 1] and plain.experts_on(1) == [2, 3]
+    shadowed = Placement.shadowed(counts, 2, shadowed=[0], source_ep_ranks=[1])
+    assert shadowed.resident == ((0, 1), (2, 3))
+    assert shadowed.experts_on(1) == [2, 3, 0] and shadowed.replicas_on(1) == [0]
+    assert shadowed.transient_replicas() == shadowed.replicas == ((0, 1), (0,), (1,), (1,))
+    assert shadowed.num_replicas == 1
+
+
+def test_placement_rejects_non_holders():
+    zeros = torch.zeros(1, 2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="replicas of expert 0"):
+        Placement(((1,), (1,)), zeros)  # owners: rank 0 holds 0
+    with pytest.raises(ValueError, match="replicas of expert 0"):
+        Placement(((1, 0), (1,)), zeros, resident=((0,), (1,)))  # a holder, but not first
+    Placement(((0, 1), (1,)), zeros, resident=((0,), (1,)))  # the holder first is fine
+    with pytest.raises(ValueError, match="ascending"):
+        Placement(((0,), (1,)), zeros, resident=((1, 0), ()))
+    routing = torch.zeros(1, 2, 2, dtype=torch.long)
+    routing[0, 1, 0] = 1  # expert 1 only lives on rank 1
+    with pytest.raises(ValueError, match="no replica"):
+        Placement.on_slots(routing, [[0], [1]])
+    with pytest.raises(ValueError):
+        Placement.on_slots(zeros, [[0], [0]])  # expert 1 held nowhere
+
+
+# -- EPLB / FlexMoE helpers --------------------------------------------------------------------------------
+def test_keep_in_place_by_hand():
+    old = np.array([[0, 1, 2, -1], [3, 4, 5, -1]])
+    plan = np.array([[5, 5, 1, 3], [4, 0, 2, 4]])
+    # rank 0 keeps 1 in slot 1, then [3, 5, 5] fill slots 0, 2, 3; rank 1 keeps 4 in slot 1, then [0, 2, 4]
+    assert keep_in_place(old, plan).tolist() == [[3, 1, 5, 5], [0, 4, 2, 4]]
+    # an expert held twice keeps only its first slot when the plan has it once
+    assert keep_in_place(np.array([[4, 4, 0, 1]]), np.array([[1, 2, 3, 4]])).tolist() == [[4, 2, 3, 1]]
+    assert keep_in_place(old[:, :3], np.array([[2, 1, 0], [5, 4, 3]])).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_keep_in_place_random():
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        num_ranks, per_rank, num_experts = _random_shape(rng)
+        old = _random_slots(rng, num_ranks, per_rank, num_experts)
+        plan = rng.integers(0, num_experts, size=(num_ranks, per_rank))  # EPLB fills every slot
+        placed = keep_in_place(old, plan)
+        for q in range(num_ranks):
+            assert sorted(placed[q].tolist()) == sorted(plan[q].tolist())
+            kept = placed[q] == old[q]
+            overlap = sum(min(int((old[q] == e).sum()), int((plan[q] == e).sum())) for e in range(num_experts))
+            assert int(kept.sum()) == overlap  # every expert it can keep stays in its slot
+            rest = placed[q][~kept].tolist()
+            assert rest == sorted(rest)
+
+
+def test_slots_per_rank_defaults():
+    cfg = load_config(TINY, ["parallel.expert=2"])
+    assert eplb_slots_per_rank(cfg, 2) == 5  # (8 + 2) / 2
+    assert eplb_slots_per_rank(cfg, 1) == 8  # one rank: no redundant slot
+    assert flexmoe_slots_per_rank(cfg, 2) == 5  # 8 / 2 + 1
+    cfg = load_config(TINY, ["parallel.expert=2", "moe.eplb.redundant_slots=4", "moe.flexmoe.slots_per_rank=7"])
+    assert eplb_slots_per_rank(cfg, 2) == 6 and flexmoe_slots_per_rank(cfg, 2) == 7
+
+
+# -- config validation --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,needle", [
+    (["moe.balancer=flexmoe", "moe.flexmoe.slots_per_rank=3"], "moe.flexmoe.slots_per_rank=3"),
+    (["moe.balancer=flexmoe", "moe.flexmoe.threshold=0.9"], "moe.flexmoe.threshold=0.9"),
+    (["moe.balancer=flexmoe", "moe.flexmoe.interval=0"], "moe.flexmoe.interval=0"),
+    (["moe.balancer=eplb", "moe.eplb.redundant_slots=1"], "moe.eplb.redundant_slots=1"),  # 9 % 2
+    (["moe.balancer=eplb", "moe.eplb.redundant_slots=10"], "moe.eplb.redundant_slots=10"),  # 9 slots > 8
+    (["moe.balancer=eplb", "moe.eplb.redundant_slots=-2"], "moe.eplb.redundant_slots=-2"),
+    (["moe.balancer=eplb", "moe.eplb.ema=0"], "moe.eplb.ema"),
+])
+def test_vexpert_config_errors(overrides, needle):
+    cfg = load_config(TINY, ["parallel.expert=2"] + overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, 2)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vexpert_config_valid_and_unused_sections_ignored():
+    profile = "perf.hardware_profile=configs/hardware/cpu_gloo_2proc.yaml"
+    for ov in (["moe.balancer=flexmoe", "moe.flexmoe.slots_per_rank=4", "moe.flexmoe.threshold=1.0", profile],
+               ["moe.balancer=eplb", "moe.eplb.redundant_slots=2"],
+               ["moe.balancer=eplb", "moe.eplb.redundant_slots=0", "moe.eplb.ema=1.0"],
+               # the same bad values with no vExpert balancer: nobody reads them
+               ["moe.balancer=none", "moe.eplb.redundant_slots=1", "moe.eplb.ema=0",
+                "moe.flexmoe.slots_per_rank=1", "moe.flexmoe.threshold=0.5"]):
+        validate_config(load_config(TINY, ["parallel.expert=2"] + ov), 2)
+
+
+def test_vexpert_config_other_balancers_section_ignored():
+    validate_config(load_config(TINY, ["parallel.expert=2", "moe.balancer=flexmoe", "moe.eplb.ema=0"]), 2)
+
+
+# -- placement_figure ------------------------------------------------------------------------------------------
+def test_placement_figure_renders():
+    slots = np.array([[0, 1, 2, 3, -1], [4, 5, 6, 7, -1]])
+    fig = placement_figure(slots, layer_index=0, iteration=10)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert ax.get_title() == "vExpert slots, layer 0, after iteration 10"
+    assert [t.get_text() for t in ax.texts] == ["0", "1", "2", "3", "free", "4", "5", "6", "7", "free"]
+    rgb = figure_rgb(fig)
+    # figsize (max(4, 1.5 + 0.6 * 5), max(2.5, 1 + 0.45 * 2)) inches at 100 dpi
+    assert rgb.shape == (250, 450, 3) and rgb.dtype == np.uint8
+    assert len(np.unique(rgb.reshape(-1, 3), axis=0)) > 10  # something was drawn
