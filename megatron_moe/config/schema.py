@@ -61,6 +61,11 @@ class EPLBConfig:
 
 
 @dataclass
+class LancetConfig:
+    defer_wgrad: bool = False  # §4 Alg. 1: dW of every linear runs while backward all-to-alls are in flight
+
+
+@dataclass
 class TopologyGateConfig:
     # W_net / W_local: inter- over intra-node bandwidth per rank; a rank may send L = ratio / M x its
     # assignments to other nodes (M = parallel.ranks_per_node), the rest re-select on their node
@@ -83,6 +88,7 @@ class MoEConfig:
     proprophet: ProProphetConfig = field(default_factory=ProProphetConfig)  # moe.balancer=proprophet (docs/balancers.md)
     flexmoe: FlexMoEConfig = field(default_factory=FlexMoEConfig)  # moe.balancer=flexmoe (docs/balancers.md)
     eplb: EPLBConfig = field(default_factory=EPLBConfig)  # moe.balancer=eplb (docs/balancers.md)
+    lancet: LancetConfig = field(default_factory=LancetConfig)  # Lancet (docs/lancet.md)
     gate: str = "softmax"  # registry moe.gate: softmax | topology (FasterMoE §4.3: changes routing)
     topology_gate: TopologyGateConfig = field(default_factory=TopologyGateConfig)  # moe.gate=topology
     smart_schedule: bool = False  # FasterMoE §4.2: all-to-all + experts + all-to-all as pipelined pairwise steps

@@ -55,6 +55,8 @@ class CommStats:
         self.seconds: Dict[str, float] = defaultdict(float)  # total span
         self.exposed: Dict[str, float] = defaultdict(float)  # time the caller was blocked
         self.calls: Dict[str, int] = defaultdict(int)
+        self.phase = "forward"  # "backward" while the trainer runs backward (set by it)
+        self.by_phase: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0.0, 0.0])  # (phase, kind): exposed, total
 
     def record(self, kind: str, group: Group, nbytes: int, seconds: float, inter_node: int = 0) -> None:
         """A synchronous op: `seconds` is both its total and its exposed time."""
@@ -72,9 +74,12 @@ class CommStats:
         key = f"{kind}/{group.name}"
         self.seconds[key] += total
         self.exposed[key] += exposed
+        entry = self.by_phase[(self.phase, kind)]
+        entry[0] += exposed
+        entry[1] += total
 
     def reset(self) -> None:
-        for counter in (self.bytes, self.inter_node, self.seconds, self.exposed, self.calls):
+        for counter in (self.bytes, self.inter_node, self.seconds, self.exposed, self.calls, self.by_phase):
             counter.clear()
 
     def snapshot(self) -> Dict[str, int]:
@@ -94,6 +99,15 @@ class CommStats:
         """The part of `bytes_by_kind` sent to ranks on other nodes (all-to-all and point to point)."""
         return _by_kind(self.inter_node)
 
+    def seconds_by_phase(self, kinds: Sequence[str]) -> Dict[str, Dict[str, float]]:
+        """{"exposed": {phase: s}, "total": {phase: s}} of the op kinds `kinds`, forward and backward."""
+        out = {"exposed": {"forward": 0.0, "backward": 0.0}, "total": {"forward": 0.0, "backward": 0.0}}
+        for (phase, kind), (exposed, total) in self.by_phase.items():
+            if kind in kinds:
+                out["exposed"][phase] = out["exposed"].get(phase, 0.0) + exposed
+                out["total"][phase] = out["total"].get(phase, 0.0) + total
+        return out
+
     def seconds_by_kind(self) -> Dict[str, Dict[str, float]]:
         """{"exposed": {kind: s}, "total": {kind: s}}, summed over groups."""
         return {"exposed": _by_kind(self.exposed), "total": _by_kind(self.seconds)}
@@ -107,6 +121,16 @@ def _by_kind(counter: Dict[str, float]) -> Dict[str, float]:
 
 
 COMM_STATS = CommStats()
+
+
+@contextmanager
+def backward_phase():
+    """Count the communication times recorded inside as the backward pass's (`seconds_by_phase`)."""
+    previous, COMM_STATS.phase = COMM_STATS.phase, "backward"
+    try:
+        yield
+    finally:
+        COMM_STATS.phase = previous
 
 
 class TimeSink(dict):
@@ -403,25 +427,27 @@ def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tupl
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, kind, while_in_flight):
-        ctx.save = (send_splits, recv_splits, group, kind)
+    def forward(ctx, x, send_splits, recv_splits, group, kind, while_in_flight, backward_fill):
+        ctx.save = (send_splits, recv_splits, group, kind, backward_fill)
         return all_to_all_v(x, send_splits, recv_splits, group, kind, while_in_flight)
 
     @staticmethod
     def backward(ctx, grad):
-        send_splits, recv_splits, group, kind = ctx.save
-        return all_to_all_v(grad, recv_splits, send_splits, group, kind), None, None, None, None, None
+        send_splits, recv_splits, group, kind, fill = ctx.save
+        in_flight = (lambda: fill(grad.numel())) if fill is not None else None
+        return all_to_all_v(grad, recv_splits, send_splits, group, kind, in_flight), None, None, None, None, None, None
 
 
 def all_to_all_v_autograd(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,
-                          kind: str = "all_to_all", while_in_flight: Optional[Callable[[], None]] = None
-                          ) -> torch.Tensor:
-    """all_to_all_v whose backward is the reverse all_to_all_v (`while_in_flight`: forward only)."""
+                          kind: str = "all_to_all", while_in_flight: Optional[Callable[[], None]] = None,
+                          backward_fill: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+    """all_to_all_v whose backward is the reverse all_to_all_v. `while_in_flight`: work during the
+    forward's; `backward_fill(elements)`: work during the backward's (Lancet's deferred dW)."""
     if group.size == 1:
         if while_in_flight is not None:
             while_in_flight()
         return x
-    return _AllToAllV.apply(x, list(send_splits), list(recv_splits), group, kind, while_in_flight)
+    return _AllToAllV.apply(x, list(send_splits), list(recv_splits), group, kind, while_in_flight, backward_fill)
 
 
 def _own_rows(x: torch.Tensor, group: Group, sizes: List[int]) -> torch.Tensor:

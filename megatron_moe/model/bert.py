@@ -26,6 +26,7 @@ from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import ParamMeta, init_model_from_seed_, make_param
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
+from megatron_moe.moe import lancet
 from megatron_moe.tensor_parallel import DropoutRNG, copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
 
 NUM_TOKEN_TYPES = 2  # segment A, segment B
@@ -63,6 +64,7 @@ class BertMoEModel(torch.nn.Module):
             self.pooler = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
             self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
         init_model_from_seed_(self, cfg.training.seed, state)
+        lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
 
     def moe_layers(self) -> List[torch.nn.Module]:
         return moe_ffns(self.layers)

@@ -19,6 +19,7 @@ from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
+from megatron_moe.moe import lancet
 from megatron_moe.tensor_parallel import (ColumnParallelLinear, DropoutRNG, copy_to_tp_region, gather_from_tp_region,
                                           padded_vocab_size, vocab_parallel_cross_entropy)
 
@@ -38,6 +39,7 @@ class GPTMoEModel(torch.nn.Module):
             self.output = ColumnParallelLinear(m.hidden_size, padded_vocab_size(m.vocab_size, state.tp_size), state,
                                                bias=False, std=m.init_std, valid_rows=m.vocab_size)
         init_model_from_seed_(self, cfg.training.seed, state)
+        lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
 
     def moe_layers(self) -> List[torch.nn.Module]:
         return moe_ffns(self.layers)

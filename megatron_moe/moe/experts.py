@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.model.transformer import residual_output_std
 from megatron_moe.moe.grouped_gemm import grouped_mm
+from megatron_moe.moe.lancet import deferred_grouped_mm
 from megatron_moe.moe.vexperts import SlotTable, expert_rows
 
 
@@ -85,6 +86,7 @@ class Experts(torch.nn.Module):
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
         self.slot_table = (SlotTable.initial(num_experts, state.ep_size, slots_per_rank, state.ep.rank)
                            if slots_per_rank is not None else None)
+        self.wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): w1 / w2 gradients deferred in backward
 
         def param(shape, dim, init="normal", std=0.0, role="weight"):
             meta = ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")], init=init, std=std, role=role)
@@ -107,15 +109,19 @@ class Experts(torch.nn.Module):
             return self.slot_table.resident(self.ep_rank)
         return list(range(self.first_expert, self.first_expert + self.num_local))
 
-    def held_stacks(self) -> List[torch.Tensor]:
-        """`stacks()` as computed: [held experts, ...] in `owned_expert_ids` order."""
+    def held_index(self) -> Optional[torch.Tensor]:
+        """Rows of the stacks that compute `owned_expert_ids` (None: all, in order)."""
         if self.slot_table is None:
-            return self.stacks()
+            return None
         index = self.slot_table.compute_slots(self.ep_rank)
         if index == list(range(self.slot_table.shape[1])):
-            return self.stacks()
-        index = torch.tensor(index, dtype=torch.long, device=self.w1.device)
-        return [p.index_select(0, index) for p in self.stacks()]
+            return None
+        return torch.tensor(index, dtype=torch.long, device=self.w1.device)
+
+    def held_stacks(self) -> List[torch.Tensor]:
+        """`stacks()` as computed: [held experts, ...] in `owned_expert_ids` order."""
+        index = self.held_index()
+        return self.stacks() if index is None else [p.index_select(0, index) for p in self.stacks()]
 
     def stacks(self) -> List[torch.Tensor]:
         """The parameters *Trans* moves for a replica, in a fixed order (moe/replicas.py)."""
@@ -136,24 +142,36 @@ class Experts(torch.nn.Module):
             raise LookupError(f"EP rank {self.ep_rank} was asked to compute expert(s) {missing}, which it neither "
                               f"owns ({owned}) nor received as replicas ({held})")
         own_rows = sum(batch.counts[: len(owned)])
+        deferred = None
+        if self.wgrad is not None and torch.is_grad_enabled():  # Lancet: w1 / w2 dW later, from the leaves
+            deferred = (self.held_index(), grad_scale)
         outputs = [self._ffn(batch.tokens[:own_rows], [scale_grad(p, grad_scale) for p in self.held_stacks()],
-                             batch.counts[: len(owned)])]
+                             batch.counts[: len(owned)], deferred)]
         if replicas is not None:  # also with no rows here: Trans's backward (Agg) must run on every rank
             outputs.append(self._ffn(batch.tokens[own_rows:], [scale_grad(p, grad_scale) for p in replicas.stacks()],
                                      batch.counts[len(owned):]))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int]) -> torch.Tensor:
-        """x [m, h] grouped by expert (`counts`) through stacked shards (`stacks()` order) -> [m, h]."""
+    def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int],
+             deferred: Optional[Tuple[Optional[torch.Tensor], float]] = None) -> torch.Tensor:
+        """x [m, h] grouped by expert (`counts`) through stacked shards (`stacks()` order) -> [m, h].
+        `deferred` (held rows index, grad scale): w1 / w2 are this module's own stacks and their
+        gradients are deferred (`moe/lancet.py`)."""
         w1, w2 = params[0], params[1]
         b1, b2 = (params[2], params[3]) if len(params) == 4 else (None, None)
         experts = w1.shape[0]
-        hidden = grouped_mm(x, w1.reshape(experts, self.hidden_size, math.prod(w1.shape[2:])), counts)  # [m, W/esp]
+
+        def project(rows, weight, leaf):  # [m, k] through [G, k, n]
+            if deferred is None:
+                return grouped_mm(rows, weight, counts)
+            return deferred_grouped_mm(rows, leaf, deferred[0], deferred[1], counts, self.wgrad)
+
+        hidden = project(x, w1.reshape(experts, self.hidden_size, math.prod(w1.shape[2:])), self.w1)  # [m, W/esp]
         rows = torch.tensor(counts, dtype=torch.long, device=x.device)
         if b1 is not None:
             hidden = hidden + b1.reshape(experts, math.prod(b1.shape[1:])).repeat_interleave(
                 rows, dim=0, output_size=x.shape[0])
-        out = grouped_mm(ffn_activation(hidden, self.activation), w2, counts)  # [m, h] partial over FFN units
+        out = project(ffn_activation(hidden, self.activation), w2, self.w2)  # [m, h] partial over FFN units
         if b2 is not None:
             bias = b2.repeat_interleave(rows, dim=0, output_size=x.shape[0])  # [m, h/esp]
             before = self.esp_rank * bias.shape[1]

@@ -34,6 +34,7 @@ from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
 from megatron_moe.moe.stats import IterationMoEStats
 from megatron_moe.moe.vexperts import MOVE_KIND
+from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
@@ -103,7 +104,7 @@ class Trainer:
             if index + 1 == self.cfg.training.inject_nan_at and self.state.rank == 0:
                 lm_loss = lm_loss * float("nan")  # test-only hook (training.inject_nan_at)
             binary_loss = out.binary_loss if out.binary_loss is not None else torch.zeros((), device=self.device)
-            with self.timer("backward"):
+            with self.timer("backward"), collectives.backward_phase():
                 ((lm_loss + out.aux_loss + binary_loss) / self.num_micro_batches).backward()
             sums += torch.stack([lm_loss.detach().float(), out.aux_loss.detach().float(),
                                  binary_loss.detach().float()])
@@ -173,6 +174,7 @@ class Trainer:
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()
         inter_node = collectives.COMM_STATS.inter_node_bytes_by_kind()  # all-to-all / p2p bytes across nodes
         comm_times = collectives.COMM_STATS.seconds_by_kind()  # exposed / total per op kind
+        a2a = collectives.COMM_STATS.seconds_by_phase(A2A_KINDS)  # token all-to-alls, forward / backward
         loss, aux_loss, binary_loss = self.mean_over_dp(sums, self.num_micro_batches)
         if all_finite([loss, aux_loss, binary_loss, grad_norm]):  # the same on every rank
             with self.timer("optimizer"):
@@ -204,6 +206,8 @@ class Trainer:
                         "comm_wait": sum(comm_times["exposed"].values()) * 1e3},
             "comm_exposed_ms": {k: v * 1e3 for k, v in comm_times["exposed"].items()},
             "comm_total_ms": {k: v * 1e3 for k, v in comm_times["total"].items()},
+            "a2a_exposed_ms": {k: v * 1e3 for k, v in a2a["exposed"].items()},
+            "a2a_total_ms": {k: v * 1e3 for k, v in a2a["total"].items()},
             "skipped_iterations": self.skipped_iterations, **self.memory_metrics(),
             **({"binary_loss": binary_loss} if self.has_binary_head else {}),
         }

@@ -15,6 +15,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.moe import lancet
 from megatron_moe.moe.layer import MoELayer
 from tests.moe_reference import load_full_weights_, random_full_weights, reference_moe
 
@@ -56,6 +57,7 @@ def run_layer(state, cfg: Config, full, xs, gs, balancer=None) -> Dict:
     layer = MoELayer(cfg, state, layer_index=0)
     if balancer is not None:
         layer.balancer = balancer
+    lancet.attach_from_config(layer, cfg)  # moe.lancet.defer_wgrad
     load_full_weights_(layer, full, state)
     x = xs[d].clone().requires_grad_(True)
     y, aux = layer(x)

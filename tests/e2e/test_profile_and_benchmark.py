@@ -171,3 +171,16 @@ def test_expert_scaling_sweeps_the_number_of_experts(tmp_path):
     for r in results.values():
         assert r["step"] > 0 and r["forward"] > 0 and r["backward"] > 0
     assert results["8"]["local_parameters"] > results["4"]["local_parameters"]
+
+
+def test_lancet_benchmark_defers_wgrad_without_changing_gradients():
+    """benchmarks/lancet.py (issue #12): the same GPT-MoE with and without `moe.lancet.defer_wgrad`;
+    the deferred dW ran inside backward all-to-alls and the gradients are the plain model's."""
+    out = json.loads(torchrun(2, "benchmarks/lancet.py", "--expert", "2", "--reps", "2", "--warmup", "0",
+                              "--batch", "2").strip().splitlines()[-1])["results"]
+    assert out["max_abs_grad_diff"] < 1e-6
+    for name in ("plain", "defer_wgrad"):
+        assert out[name]["ms_median"] > 0 and out[name]["a2a_total_ms_backward"] > 0
+        assert out[name]["a2a_exposed_ms_backward"] <= out[name]["a2a_total_ms_backward"]
+    assert out["plain"]["a2a_exposed_ms_backward"] == out["plain"]["a2a_total_ms_backward"]  # synchronous
+    assert out["defer_wgrad"]["wgrad_overlapped_ms"] > 0  # no profile: every dW in the first all-to-all

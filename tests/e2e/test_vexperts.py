@@ -1,7 +1,9 @@
 """FlexMoE and EPLB vExperts through the real entry point (issue #11): 20 iterations with slots
 moving (weights and AdamW moments) give the losses, final parameters and optimizer state of one
 process, on expert=2, expert=4 and tensor=2 expert=2 expert_shard=2 with s2 + SAA; a run saved
-mid-way with vExperts in place resumes identically on its layout and on one process."""
+mid-way with vExperts in place resumes identically on its layout and on one process. The expert=4
+and tensor=2 runs also defer weight gradients (Lancet, `moe.lancet.defer_wgrad`, issue #12), which
+must not change a number either, and report backward all-to-all time that is partly hidden."""
 import subprocess
 import sys
 
@@ -16,9 +18,10 @@ pytestmark = pytest.mark.e2e
 # 20 iterations, 4 micro-batches of 2 per iteration on one process, checkpoints after 10 and 20
 RUN = INVARIANCE + ["training.train_iters=20", "training.micro_batch_size=2", "checkpoint.save_interval=10",
                     "checkpoint.keep_last=0"]
-LAYOUTS = {"ep2": (2, ["parallel.expert=2"]), "ep4": (4, ["parallel.expert=4"]),
-           "tp2-ep2-esp2-s2-saa": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2",
-                                       "moe.schedule=s2", "moe.saa=true"])}
+LANCET = ["moe.lancet.defer_wgrad=true"]  # composed here too (issue #12): no extra runs for CI
+LAYOUTS = {"ep2": (2, ["parallel.expert=2"]), "ep4-lancet": (4, ["parallel.expert=4"] + LANCET),
+           "tp2-ep2-esp2-s2-saa-lancet": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2",
+                                              "moe.schedule=s2", "moe.saa=true"] + LANCET)}
 
 
 def _cheap_moves_profile(tmp_path) -> str:
@@ -83,6 +86,11 @@ def test_vexperts_train_like_one_process(balancer, layout, reference, tmp_path):
     assert all(totals[kind] > 0 for kind in kinds), totals  # the slots really moved
     assert sum(sum(r["vexpert_moves"]) for r in records) == sum(totals.values())
     assert any(r["comm_bytes"].get("vexpert_move", 0) > 0 for r in records)
+    for r in records:  # token all-to-alls, forward and backward apart
+        assert set(r["a2a_total_ms"]) == {"forward", "backward"} and r["a2a_total_ms"]["backward"] > 0
+        assert all(r["a2a_exposed_ms"][phase] <= r["a2a_total_ms"][phase] + 1e-9 for phase in ("forward", "backward"))
+    if "lancet" in layout:  # the backward all-to-alls ran asynchronously with dW work inside
+        assert any(r["a2a_exposed_ms"]["backward"] < r["a2a_total_ms"]["backward"] for r in records)
     assert all(n >= 0 for r in records for n in r["moe_replicas"]) and any(
         n > 0 for r in records for n in r["moe_replicas"])
     if layout == "ep2" and balancer == "eplb":  # the placement image, every logging.image_interval iterations

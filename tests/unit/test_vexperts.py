@@ -393,3 +393,27 @@ def test_placement_figure_renders():
     # figsize (max(4, 1.5 + 0.6 * 5), max(2.5, 1 + 0.45 * 2)) inches at 100 dpi
     assert rgb.shape == (250, 450, 3) and rgb.dtype == np.uint8
     assert len(np.unique(rgb.reshape(-1, 3), axis=0)) > 10  # something was drawn
+
+
+class _Group:
+    def __init__(self, ranks, ranks_per_node):
+        self.ranks, self.ranks_per_node, self.size = ranks, ranks_per_node, len(ranks)
+
+    def global_rank(self, index):
+        return self.ranks[index]
+
+
+class _State:
+    def __init__(self, ranks, ranks_per_node):
+        self.ep = _Group(ranks, ranks_per_node)
+
+
+def test_ep_ranks_per_node_for_hierarchical_eplb():
+    from megatron_moe.moe.balancers.vexpert_base import ep_ranks_per_node
+
+    assert ep_ranks_per_node(_State([0, 1, 2, 3], None)) is None  # one node
+    assert ep_ranks_per_node(_State([0, 1, 2, 3], 4)) is None  # the whole group on one node
+    assert ep_ranks_per_node(_State([0, 1, 2, 3], 2)) == 2  # nodes {0, 1}, {2, 3}
+    assert ep_ranks_per_node(_State([0, 2, 4, 6], 4)) == 2  # strided group (tp = 2): 2 EP ranks per node
+    assert ep_ranks_per_node(_State([0, 4, 1, 5], 4)) is None  # nodes interleaved: planned flat
+    assert ep_ranks_per_node(_State([0, 1, 2, 4, 5, 8], 4)) is None  # unequal nodes

@@ -76,6 +76,11 @@ class RunHooks:
 class Schedule(ABC):
     expert_grad_scale: float = 1.0  # multiplies expert weight gradients
     hooks: RunHooks = RunHooks()  # this forward's (set by `run`)
+    wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): its `fill` runs during backward all-to-alls
+
+    def backward_fill(self):
+        """What runs while a backward all-to-all is in flight (`fill(elements)`), or None."""
+        return self.wgrad.fill if self.wgrad is not None else None
 
     def __init__(self, cfg: Config, state: ParallelState):
         self.cfg, self.state = cfg, state

@@ -98,7 +98,8 @@ class BaselineSchedule(Schedule):
         ep = self.state.ep
         send, ctx = self._send_rows(routed, placement)
         received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,
-                                           while_in_flight=self.hooks.in_flight())  # step 4
+                                           while_in_flight=self.hooks.in_flight(),
+                                           backward_fill=self.backward_fill())  # step 4
         ctx.recv_order = placement.receive_order(ep.rank).to(send.device)
         batch = ExpertBatch(received.index_select(0, ctx.recv_order), placement.experts_on(ep.rank),
                             placement.expert_counts(ep.rank))
@@ -107,7 +108,9 @@ class BaselineSchedule(Schedule):
     def combine(self, expert_output: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
         out = reduce_from_tp_region(expert_output, self.state.esp)  # step 6: ESP-AllReduce (Megatron g on esp)
         out = out.index_select(0, _inverse(ctx.recv_order))  # as received: source-major
-        return self._finish(C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, self.state.ep), ctx)  # 7
+        returned = C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, self.state.ep,
+                                           backward_fill=self.backward_fill())
+        return self._finish(returned, ctx)  # step 7
 
     def _finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
         """Steps 7-8 after the return trip: gate-weighted combine of G_p's rows, ESP-Split [n, h]."""

@@ -151,6 +151,7 @@ class EpEspExchange:
                  saa: bool, device: torch.device):
         self.state, self.piece_rows, self.saa = state, piece_rows, saa
         self.in_flight: Optional[Callable[[], None]] = None  # run during the next `down`'s all-to-all
+        self.backward_fill: Optional[Callable[[int], None]] = None  # Lancet: runs during backward's all-to-alls
         source, p, esp = state.ep_esp.rank, state.ep.rank, state.esp_size
         self.per_ep = placement.send_splits(source)  # [ep] own rows for each EP rank
         send_order = torch.argsort(placement.destinations(source), stable=True)  # by destination EP rank
@@ -166,19 +167,21 @@ class EpEspExchange:
         self.offset = sum(piece_rows[: state.tp.rank]) if piece_rows else 0
         self.peers = self._peers(device) if saa else None
 
-    def down(self, rows: torch.Tensor) -> torch.Tensor:
+    def down(self, rows: torch.Tensor, in_flight: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """`in_flight`: work during the all-to-all (else the forward's `self.in_flight`, once)."""
         if self.piece_rows is not None:  # MP-Split (S2)
             rows = rows.narrow(0, self.offset, self.rows)
         received = C.all_to_all_v(rows.index_select(0, self.dump), self.send_splits, self.recv_splits,
-                                  self.state.ep_esp, while_in_flight=self.in_flight)
+                                  self.state.ep_esp, while_in_flight=in_flight or self.in_flight)
         self.in_flight = None  # the forward's dispatch only (RunHooks)
         return received.index_select(0, self.recv_order)
 
-    def up(self, out: torch.Tensor) -> torch.Tensor:
+    def up(self, out: torch.Tensor, in_flight: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """`in_flight`: work during the all-to-all (SAA: during its first phase)."""
         out = out.index_select(0, self.recv_inverse)  # source-major
         if self.saa:
-            return self._phased_up(out)
-        returned = C.all_to_all_v(out, self.recv_splits, self.send_splits, self.state.ep_esp)
+            return self._phased_up(out, in_flight)
+        returned = C.all_to_all_v(out, self.recv_splits, self.send_splits, self.state.ep_esp, while_in_flight=in_flight)
         rows = out.new_zeros((self.rows, out.shape[1])).index_add_(0, self.dump, returned)  # local combine
         return C.all_gather_v(rows, self.state.tp, self.piece_rows) if self.piece_rows is not None else rows
 
@@ -198,7 +201,7 @@ class EpEspExchange:
             peers.append((self.state.layout.coords(rank)["ep"], meta[:ep].tolist(), meta[ep:]))
         return peers
 
-    def _phased_up(self, out: torch.Tensor) -> torch.Tensor:
+    def _phased_up(self, out: torch.Tensor, in_flight: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """SAA (Fig. 5): phase i receives EP rank (p - i)'s shards' partial sums, combines them and
         all-gathers them on tp while phase i + 1's point-to-point exchange runs."""
         state, hidden = self.state, out.shape[1]
@@ -211,7 +214,10 @@ class EpEspExchange:
             parts = [blocks[ep_esp.rank] if frm * esp + j == ep_esp.rank else out.new_empty((self.per_ep[frm], hidden))
                      for j in range(esp)]
             recvs = [(frm * esp + j, parts[j]) for j in range(esp) if frm * esp + j != ep_esp.rank]
-            C.p2p_exchange(sends, recvs, ep_esp, kind=SAA_KIND).wait()
+            handle = C.p2p_exchange(sends, recvs, ep_esp, kind=SAA_KIND)
+            if phase == 0 and in_flight is not None:
+                in_flight()
+            handle.wait()
             combined = reduce(add, parts)  # local combine [rows for EP rank frm, h]
             sizes = [per_ep[(q - phase) % ep] for q, per_ep, _ in self.peers]
             gathers.append((C.all_gather_v_async(combined, state.tp, sizes) if len(self.peers) > 1
@@ -235,7 +241,10 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        return (ctx.exchange.up(grad) if ctx.direction == "down" else ctx.exchange.down(grad)), None, None
+        fill = ctx.exchange.backward_fill
+        in_flight = (lambda: fill(grad.numel())) if fill is not None else None
+        return (ctx.exchange.up(grad, in_flight) if ctx.direction == "down" else ctx.exchange.down(grad, in_flight)), \
+            None, None
 
 
 class ParmSchedule(Schedule):
@@ -291,7 +300,7 @@ class ParmSchedule(Schedule):
     def dispatch(self, routed, placement: Placement) -> Tuple[ExpertBatch, Tuple]:
         routed = self.parm_routed(routed)
         exchange = EpEspExchange(self.state, placement, routed.piece_rows, self.uses_saa(routed), routed.tokens.device)
-        exchange.in_flight = self.hooks.in_flight()
+        exchange.in_flight, exchange.backward_fill = self.hooks.in_flight(), self.backward_fill()
         p = self.state.ep.rank
         batch = ExpertBatch(_Exchange.apply(self._rows(routed), exchange, "down"), placement.experts_on(p),
                             placement.expert_counts(p))

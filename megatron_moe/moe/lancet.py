@@ -1,0 +1,209 @@
+"""Lancet's weight-gradient scheduling (Jiang et al., MLSys'24, §4, Alg. 1), in eager PyTorch
+(`moe.lancet.defer_wgrad: true`).
+
+Lancet is a compiler pass: it finds, for every all-to-all of the backward pass, the weight-gradient
+(dW) computations that have no path to or from it, and reorders them right after the all-to-all's
+launch so they run while it is in flight. Here autograd is the graph and the pass is online:
+
+* every linear layer of the model (`tensor_parallel/layers.py`: attention, dense MLP, output) and
+  the experts' two grouped GEMMs compute dX in backward as usual but hand their dW (and bias
+  gradient) to the model's `WGradScheduler` as a closure (`defer`) instead of computing it. A dW
+  depends on nothing that comes later in backward, and nothing in backward depends on it (it only
+  ends in `.grad`): it is independent of every all-to-all still to come, Alg. 1's W^{I_i};
+* the MoE schedules launch each backward all-to-all asynchronously and call `fill(elements)`
+  while it is in flight: Alg. 1 lines 14-22, greedily run the queued dW whose estimated time best
+  matches the all-to-all's remaining (unoverlapped) time, until it is covered or the queue is
+  empty;
+* whatever is still queued runs when the backward pass ends (autograd's `queue_callback`), so every
+  `.grad` is complete before the optimizer sees it. dW is the same matmul autograd would run, so
+  the gradients are those of the plain run (float rounding of the accumulation order aside).
+
+Times (Alg. 1's GetInstrExecTime): a dW's is its FLOPs x the seconds per FLOP measured on the dW
+work already run (an exponential moving average, seeded by the hardware profile's
+`expert_compute.beta` when there is one); an all-to-all's comes from the profile's
+`ep_esp_alltoall` alpha-beta on its elements. Without a profile the all-to-all time is unknown
+and every queued dW runs in the first all-to-all that comes (the greedy's limit case).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.perf.alpha_beta import AlphaBeta
+
+_SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
+
+
+class WGradScheduler:
+    """The dW work of one model's backward passes, deferred and run while all-to-alls are in flight."""
+
+    def __init__(self, seconds_per_flop: float = 1e-10, alltoall: Optional[AlphaBeta] = None):
+        self.seconds_per_flop = seconds_per_flop
+        self.alltoall = alltoall
+        self.pending: List[Tuple[float, Callable[[], None]]] = []  # (FLOPs, closure)
+        self._callback_queued = False
+        self.overlapped_seconds = 0.0  # dW time run inside all-to-alls (since `reset_counters`)
+        self.drained_seconds = 0.0  # dW time run at the end of backward
+
+    def defer(self, flops: float, work: Callable[[], None]) -> None:
+        """Queue one dW computation (called from a backward function)."""
+        self.pending.append((float(flops), work))
+        if not self._callback_queued:  # run what is left when this backward pass ends
+            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+            self._callback_queued = True
+
+    def fill(self, elements: int) -> None:
+        """Alg. 1 lines 14-22 for an all-to-all of `elements` now in flight."""
+        budget = self.alltoall.time(elements) if self.alltoall is not None else float("inf")
+        while budget > 0 and self.pending:
+            estimates = [flops * self.seconds_per_flop for flops, _ in self.pending]
+            j = min(range(len(estimates)), key=lambda i: abs(budget - estimates[i]))
+            flops, work = self.pending.pop(j)
+            self.overlapped_seconds += self._run(flops, work)
+            budget -= estimates[j]  # t_u <- t_u - t^W_j
+
+    def drain(self) -> None:
+        """Run every queued dW (end of the backward pass)."""
+        while self.pending:
+            flops, work = self.pending.pop(0)
+            self.drained_seconds += self._run(flops, work)
+        self._callback_queued = False
+
+    def _run(self, flops: float, work: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        work()
+        seconds = time.perf_counter() - start
+        if flops > 0:
+            self.seconds_per_flop += _SMOOTHING * (seconds / flops - self.seconds_per_flop)
+        return seconds
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
+    """param.grad += grad (rows `index` of it when given), creating it as autograd would."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    if index is None:
+        param.grad.add_(grad.view_as(param.grad))
+    else:
+        param.grad.index_add_(0, index, grad)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b; backward: dX now, dW and db deferred (`WGradScheduler.defer`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scheduler, shape):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.scheduler, ctx.shape = weight, bias, scheduler, shape
+        return F.linear(x, weight.detach().view(shape), None if bias is None else bias.detach().view(-1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        dx = grad.matmul(weight.detach().view(ctx.shape))
+        rows, dy = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+
+        def dw():
+            accumulate_grad(weight, dy.t().matmul(rows))
+            if bias is not None:
+                accumulate_grad(bias, dy.sum(0))
+
+        ctx.scheduler.defer(2.0 * rows.shape[0] * rows.shape[1] * dy.shape[1], dw)
+        return dx, None, None, None, None
+
+
+def deferred_linear(x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[torch.nn.Parameter],
+                    scheduler: WGradScheduler) -> torch.Tensor:
+    """F.linear(x, weight viewed [out, in], bias viewed [out]) with dW deferred; weight and bias
+    must be leaf parameters (their gradients are written into `.grad` by the deferred work)."""
+    return _DeferredLinear.apply(x, weight, bias, scheduler, (-1, weight.shape[-1]))
+
+
+class _DeferredGroupedMM(torch.autograd.Function):
+    """Grouped GEMM of the experts (x [m, k], the stack's rows `index` viewed [G, k, n]) with dW
+    deferred: dW_g = x_g^T dy_g, times `scale`, added into rows `index` of the leaf's `.grad`."""
+
+    @staticmethod
+    def forward(ctx, x, leaf, index, scale, counts, scheduler):
+        from megatron_moe.moe.grouped_gemm import grouped_mm
+
+        w = _rows(leaf.detach(), index)
+        ctx.save_for_backward(x)
+        ctx.leaf, ctx.index, ctx.scale, ctx.counts, ctx.scheduler = leaf, index, scale, counts, scheduler
+        return grouped_mm(x, w.reshape(w.shape[0], x.shape[1], -1), counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron_moe.moe.grouped_gemm import grouped_mm
+
+        (x,) = ctx.saved_tensors
+        leaf, index, scale, counts = ctx.leaf, ctx.index, ctx.scale, ctx.counts
+        w = _rows(leaf.detach(), index)
+        w = w.reshape(w.shape[0], x.shape[1], -1)
+        grad = grad.contiguous()
+        dx = grouped_mm(grad, w.transpose(1, 2), counts)
+
+        def dw():
+            out = torch.zeros_like(w)
+            for g, (rows, dy) in enumerate(zip(x.split(counts), grad.split(counts))):
+                if rows.shape[0]:
+                    torch.mm(rows.t(), dy, out=out[g])
+            if scale != 1.0:
+                out.mul_(scale)
+            accumulate_grad(leaf, out.view((out.shape[0],) + tuple(leaf.shape[1:])), index)
+
+        ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw)
+        return dx, None, None, None, None, None
+
+
+def _rows(stack: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    return stack if index is None else stack.index_select(0, index)
+
+
+def deferred_grouped_mm(x: torch.Tensor, leaf: torch.nn.Parameter, index: Optional[torch.Tensor], scale: float,
+                        counts: Sequence[int], scheduler: WGradScheduler) -> torch.Tensor:
+    """`grouped_mm(x, leaf[index] as [G, k, n], counts)` with its weight gradient deferred."""
+    return _DeferredGroupedMM.apply(x, leaf, index, float(scale), [int(c) for c in counts], scheduler)
+
+
+def attach(model: torch.nn.Module, scheduler: WGradScheduler) -> None:
+    """Give every layer that defers dW, and every MoE schedule that fills its backward all-to-alls,
+    the model's scheduler (`moe.lancet.defer_wgrad`)."""
+    from megatron_moe.moe.experts import Experts
+    from megatron_moe.moe.schedules.base import Schedule
+    from megatron_moe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, Experts)):
+            module.wgrad = scheduler
+    for module in model.modules():
+        schedule = getattr(module, "schedule", None)
+        if isinstance(schedule, Schedule):
+            schedule.wgrad = scheduler
+
+
+def attach_from_config(model: torch.nn.Module, cfg) -> Optional[WGradScheduler]:
+    """`attach` a scheduler built from `cfg` when `moe.lancet.defer_wgrad` is on; returns it."""
+    scheduler = build_scheduler(cfg)
+    if scheduler is not None:
+        attach(model, scheduler)
+    return scheduler
+
+
+def build_scheduler(cfg) -> Optional[WGradScheduler]:
+    """The model's `WGradScheduler` when `moe.lancet.defer_wgrad` is on (times from the hardware
+    profile when one is configured), else None."""
+    if not cfg.moe.lancet.defer_wgrad:
+        return None
+    if not cfg.perf.hardware_profile:
+        return WGradScheduler()
+    from megatron_moe.perf.hardware import load_profile
+
+    profile = load_profile(cfg.perf.hardware_profile)
+    compute = getattr(profile, "expert_compute", None)
+    return WGradScheduler(seconds_per_flop=compute.beta if compute is not None and compute.beta > 0 else 1e-10,
+                          alltoall=getattr(profile, "ep_esp_alltoall", None))
