@@ -119,7 +119,7 @@ def _check_checkpoint(cfg: Config) -> None:
         raise ConfigError("checkpoint.load=auto needs checkpoint.dir")
     if ck.load not in (None, "auto"):  # a path: a checkpoint or a root of iter_<k> checkpoints (names only)
         from megatron_moe.training.checkpoint import is_checkpoint_root
-        from megatron_moe.training.checkpoint_io import CheckpointError
+        from megatron_moe.training.failures import CheckpointError
 
         try:
             is_checkpoint_root(ck.load)

@@ -27,6 +27,10 @@ vExpert slots (`slots_per_rank`, FlexMoE / EPLB, `moe/vexperts.py`): the local s
 the held experts are computed with their first slot (one `index_select` per stack when that is
 not all slots in order), and the parameters carry `expert_rows` for checkpoints and
 initialization and `vexpert_slots` for the gradient norm.
+
+Lancet (`moe.lancet.defer_wgrad`, `moe/lancet.py`): with `wgrad` set, the held experts' w1 / w2
+projections compute only dX in backward and queue their weight gradients (into the held rows of
+the leaves, times `grad_scale`) for the model's `WGradScheduler`.
 """
 from __future__ import annotations
 

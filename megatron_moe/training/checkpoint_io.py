@@ -48,13 +48,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_moe.distributed import collectives
+from megatron_moe.training.failures import CheckpointError  # noqa: F401  (raised here; importers use this name)
 
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: incomplete, corrupt, unsafe, or not matching the model."""
 
 
 @dataclass

@@ -23,8 +23,7 @@ from megatron_moe.config import Config, ConfigError, load_config, parse_cli, val
 from megatron_moe.config.validate import checkpoint_load_error, validate_data_config
 from megatron_moe.distributed import collectives, launch
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from megatron_moe.training.checkpoint_io import CheckpointError
-from megatron_moe.training.failures import NONFINITE_EXIT, NonFiniteError
+from megatron_moe.training.failures import NONFINITE_EXIT, CheckpointError, NonFiniteError
 from megatron_moe.training.trainer import Trainer
 
 CONFIG_ERROR_EXIT = 2

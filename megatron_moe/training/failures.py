@@ -7,6 +7,9 @@
 * Non-finite loss or gradient: the global grad norm and the loss are identical on every rank, so
   every rank takes the same decision without communication: `training.on_nonfinite: skip` drops
   the update and counts it, `stop` raises `NonFiniteError` (exit code 3 from the entry point).
+* An unusable checkpoint (missing, incomplete, corrupt, not matching the model) raises
+  `CheckpointError` (defined here, not in `checkpoint_io.py`, so that the entry point can catch it
+  without importing torch.distributed.checkpoint, ~1 s per process, before it is needed).
 * A dead rank is the launcher's business (torchrun's monitor, `srun --kill-on-bad-exit`): it
   ends the others and names the failed rank; gloo peers also fail fast on the closed connection,
   and `parallel.timeout_s` bounds a collective that never completes.
@@ -22,6 +25,11 @@ import torch
 
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, corrupt, unsafe, or not matching the model."""
+
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NONFINITE_EXIT = 3

@@ -99,7 +99,8 @@ def test_benchmark_deepspeed_row_computes_the_same_layer():
     """The `deepspeed` row (issue #9 item 6) appears whenever DeepSpeed is importable and runs
     DeepSpeed-MoE's layer on the baseline's weights: the same output and input gradient."""
     stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--rows", "baseline", "--reps", "1",
-                      "--warmup", "0", "--batch", "2", "--seq", "16", "--hidden", "32", "--ffn", "64")
+                      "--warmup", "0", "--batch", "2", "--seq", "16", "--hidden", "32", "--ffn", "64",
+                      "--profile", "configs/hardware/cpu_gloo_2proc.yaml")  # no start-up calibration (~50 s)
     out = json.loads(stdout.strip().splitlines()[-1])
     if importlib.util.find_spec("deepspeed") is None:
         assert out["config"]["deepspeed_row"] == "deepspeed is not importable" and "deepspeed" not in out["results"]
