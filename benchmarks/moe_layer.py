@@ -33,7 +33,7 @@ of the rows each computes (FlexMoE Eq. 6, summed over the ep_esp groups; last re
 `replicas`, `trans_bytes`, `agg_bytes`: expert replicas and their weight / gradient bytes (rank
 0); `vexpert_moves`, `vexpert_move_bytes`: for flexmoe / eplb rows, the primitives executed
 between repetitions (every --vexpert-interval, untimed, weights only: no optimizer here) and the
-bytes rank 0 sent for them, over the whole run; their replicas' gradient all-reduce is timed
+bytes rank 0 (and all ranks: `vexpert_move_bytes_all_ranks`) sent for them, over the whole run; their replicas' gradient all-reduce is timed
 (`before_grad_sync`); for auto rows the schedule Alg. 1 picked (last repetition). Rank 0 prints one JSON object on
 its last line. Default shapes are sized for 8 processes on 2 CPU cores.
 """
@@ -193,6 +193,9 @@ def deepspeed_row(args, baseline: MoELayer, state):
         ("--gate other than softmax", args.gate != "softmax"), ("--layers > 1", args.layers > 1)] if bad]
     if why:
         return None, "; ".join(why)
+    # DeepSpeed's CPU shared-memory collectives (an all-reduce kernel, JIT-compiled with ninja on
+    # first use: ~50 s in a fresh environment) play no part in its MoE layer's all-to-alls
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
     h, f = args.hidden, args.ffn
     expert = torch.nn.Sequential(torch.nn.Linear(h, f), torch.nn.GELU(), torch.nn.Linear(f, h))
@@ -309,6 +312,8 @@ def main(argv=None) -> int:
             "replicas": replicas[name], "trans_bytes": bytes_of_kind(bytes_[name], "trans"),
             "agg_bytes": bytes_of_kind(bytes_[name], "agg"),
             "vexpert_moves": moves[name][0], "vexpert_move_bytes": moves[name][1],
+            "vexpert_move_bytes_all_ranks": int(C.all_reduce(torch.tensor([float(moves[name][1])],
+                                                                          dtype=torch.float64), state.world)[0]),
         }
         if ROWS[name.split("+")[0]][0] == "auto":
             results[name]["picked"] = picked[name]

@@ -81,12 +81,16 @@ def test_benchmark_rows_compute_the_same_layer_with_parms_volumes():
 
 def test_benchmark_balancer_rows_fix_skew_exactly():
     """--skew gives the balancer imbalance to fix (issue #9 item 6): the fastermoe row computes the
-    same output with a lower balance ratio, and its weight traffic is replicas x expert parameters."""
-    stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--rows", "baseline", "--balancer", "none,fastermoe",
-                      "--skew", "1.2", "--min-shadow", "1", "--reps", "1", "--warmup", "0", "--batch", "2",
-                      "--seq", "16", "--hidden", "32", "--ffn", "64")
+    same output with a lower balance ratio, and its weight traffic is replicas x expert parameters;
+    the eplb row (issue #11) re-plans its vExpert slots after the first repetition and then does
+    the same with persistent replicas."""
+    stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--rows", "baseline", "--balancer",
+                      "none,fastermoe,eplb", "--skew", "1.2", "--min-shadow", "1", "--reps", "2", "--warmup", "0",
+                      "--batch", "2", "--seq", "16", "--hidden", "32", "--ffn", "64")
     rows = json.loads(stdout.strip().splitlines()[-1])["results"]
-    none, shadow = rows["baseline"], rows["baseline+fastermoe"]
+    none, shadow, eplb = rows["baseline"], rows["baseline+fastermoe"], rows["baseline+eplb"]
+    assert eplb["balance_ratio"] < none["balance_ratio"] and eplb["replicas"] >= 1 and eplb["vexpert_moves"] > 0
+    assert eplb["vexpert_move_bytes_all_ranks"] > 0 and eplb["max_abs_diff_vs_baseline"] < 1e-5
     assert none["balance_ratio"] > 1.5 and none["replicas"] == 0 and none["trans_bytes"] == 0  # skewed
     assert shadow["balance_ratio"] < none["balance_ratio"] and shadow["replicas"] >= 1
     assert shadow["max_abs_diff_vs_baseline"] < 1e-5

@@ -4,13 +4,10 @@ process, on expert=2, expert=4 and tensor=2 expert=2 expert_shard=2 with s2 + SA
 mid-way with vExperts in place resumes identically on its layout and on one process. The expert=4
 and tensor=2 runs also defer weight gradients (Lancet, `moe.lancet.defer_wgrad`, issue #12), which
 must not change a number either, and report backward all-to-all time that is partly hidden."""
-import subprocess
-import sys
-
 import pytest
 import yaml
 
-from megatron_moe.convert.offline import read_checkpoint
+from megatron_moe.convert.offline import read_checkpoint, reshard
 from megatron_moe.training.checkpoint import read_meta
 from tests.e2e.test_train_cli import INVARIANCE, train
 
@@ -109,9 +106,6 @@ def test_vexperts_train_like_one_process(balancer, layout, reference, tmp_path):
         _same_curve(one, ref_records[10:], rel=1e-5)
         # resharding keeps the tensors (one copy per expert) and drops the old layout's slots
         assert read_meta(str(middle))["balancers"]["balancer"] == "flexmoe"
-        reshard = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "reshard", "--input", str(middle),
-                                  "--output", str(tmp_path / "ep4"), "--tensor", "1", "--expert", "4",
-                                  "--expert-shard", "1"], capture_output=True, text=True, check=True)
-        assert "wrote" in reshard.stdout
-        assert "balancers" not in read_meta(str(tmp_path / "ep4" / "iter_0000010"))
-        _same_state(tmp_path / "ep4" / "iter_0000010", middle)
+        written = reshard(str(middle), str(tmp_path / "ep4"), tensor=1, expert=4, expert_shard=1)
+        assert "balancers" not in read_meta(written)
+        _same_state(written, middle)
