@@ -63,6 +63,8 @@ class EPLBConfig:
 @dataclass
 class LancetConfig:
     defer_wgrad: bool = False  # §4 Alg. 1: dW of every linear runs while backward all-to-alls are in flight
+    partitions: int = 1  # §5: micro-batch split into this many batch parts around MoE layers (auto: at most this many); 1 = off
+    partition_range: str = "auto"  # §5.1: auto (dynamic program over measured op times) | N sublayers before/after each MoE FFN
 
 
 @dataclass

@@ -213,6 +213,7 @@ def _check_parm(cfg: Config) -> None:
     if moe.lancet.defer_wgrad and cfg.training.precision == "bf16":
         raise ConfigError("moe.lancet.defer_wgrad=true and training.precision=bf16 cannot be combined yet: the "
                           "deferred weight gradients are computed in fp32 outside autocast")
+    _check_lancet_partitions(cfg)
     if moe.smart_schedule and moe.saa:
         raise ConfigError("moe.smart_schedule=true and moe.saa=true cannot be combined: both reschedule S2's combine")
     if moe.smart_group_size < 1 or par.expert % moe.smart_group_size:
@@ -275,3 +276,20 @@ def profile_needs(cfg: Config):
     if cfg.moe.balancer == "proprophet":
         needs.append((PROPROPHET_OPS, "moe.balancer=proprophet"))
     return needs
+
+
+def _check_lancet_partitions(cfg) -> None:
+    """`moe.lancet.partitions` / `partition_range` (moe/lancet_partition.py)."""
+    lancet = cfg.moe.lancet
+    if lancet.partitions < 1:
+        raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be >= 1 (1 = off)")
+    if lancet.partitions > cfg.training.micro_batch_size:
+        raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be <= training.micro_batch_size="
+                          f"{cfg.training.micro_batch_size}: each part is at least one sequence")
+    rng = str(lancet.partition_range)
+    if rng != "auto" and not (rng.isdigit()):
+        raise ConfigError(f"moe.lancet.partition_range={rng!r} must be auto or a number of sublayers >= 0")
+    if lancet.partitions > 1 and cfg.moe.gate == "topology":
+        raise ConfigError("moe.lancet.partitions>1 and moe.gate=topology cannot be combined: the topology gate's "
+                          "budget ranks the whole micro-batch's choices, so batch parts would route differently "
+                          "(Lancet §5: such gates allow partitioning only after the MoE layer, not built)")

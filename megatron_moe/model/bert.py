@@ -26,7 +26,7 @@ from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import ParamMeta, init_model_from_seed_, make_param
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
-from megatron_moe.moe import lancet
+from megatron_moe.moe import lancet, lancet_partition
 from megatron_moe.tensor_parallel import DropoutRNG, copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
 
 NUM_TOKEN_TYPES = 2  # segment A, segment B
@@ -65,6 +65,7 @@ class BertMoEModel(torch.nn.Module):
             self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
         init_model_from_seed_(self, cfg.training.seed, state)
         lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
+        self.partitioner = lancet_partition.from_config(cfg, state, self.dropout_rng, self.layers)  # moe.lancet.partitions
 
     def moe_layers(self) -> List[torch.nn.Module]:
         return moe_ffns(self.layers)
@@ -74,7 +75,8 @@ class BertMoEModel(torch.nn.Module):
                 binary_labels: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens, token_types, padding_mask (1 = real token), labels, loss_mask (1 = masked position
         to predict) `[b, s]`, binary_labels `[b]`; all replicated across TP."""
-        x, aux_loss = run_layers(self.layers, self.embedding(tokens, token_types), padding_mask)  # [b, s, h]
+        x, aux_loss = run_layers(self.layers, self.embedding(tokens, token_types), padding_mask,
+                                 self.partitioner)  # [b, s, h]
         x = self.final_norm(x)
         moe_stats = [moe.last_stats for moe in self.moe_layers()]
         logits = self._mlm_logits(x)  # [b, s, V_padded/tp]

@@ -19,7 +19,7 @@ from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
-from megatron_moe.moe import lancet
+from megatron_moe.moe import lancet, lancet_partition
 from megatron_moe.tensor_parallel import (ColumnParallelLinear, DropoutRNG, copy_to_tp_region, gather_from_tp_region,
                                           padded_vocab_size, vocab_parallel_cross_entropy)
 
@@ -40,6 +40,7 @@ class GPTMoEModel(torch.nn.Module):
                                                bias=False, std=m.init_std, valid_rows=m.vocab_size)
         init_model_from_seed_(self, cfg.training.seed, state)
         lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
+        self.partitioner = lancet_partition.from_config(cfg, state, self.dropout_rng, self.layers)  # moe.lancet.partitions
 
     def moe_layers(self) -> List[torch.nn.Module]:
         return moe_ffns(self.layers)
@@ -47,7 +48,7 @@ class GPTMoEModel(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens, labels `[b, s]` (replicated across TP); loss_mask `[b, s]` (1 = counts)."""
-        x, aux_loss = run_layers(self.layers, self.embedding(tokens))  # [b, s, h]
+        x, aux_loss = run_layers(self.layers, self.embedding(tokens), partitioner=self.partitioner)  # [b, s, h]
         logits = self._logits(self.final_norm(x))  # [b, s, V_padded/tp]
         moe_stats = [moe.last_stats for moe in self.moe_layers()]
         if labels is None:

@@ -53,7 +53,14 @@ class TransformerLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x `[b, s, h]` -> (`[b, s, h]`, the MoE layer's aux loss scalar or None for a dense FFN)."""
-        x = x + self.residual_dropout(self.attention(self.attention_norm(x), padding_mask))
+        return self.ffn_sublayer(self.attention_sublayer(x, padding_mask))
+
+    def attention_sublayer(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x + dropout(attention(norm_1(x))) `[b, s, h]`."""
+        return x + self.residual_dropout(self.attention(self.attention_norm(x), padding_mask))
+
+    def ffn_sublayer(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(x + dropout(ffn(norm_2(x))) `[b, s, h]`, the MoE layer's aux loss or None)."""
         h = self.ffn_norm(x)
         aux_loss = None
         if self.is_moe:
@@ -63,13 +70,16 @@ class TransformerLayer(torch.nn.Module):
         return x + self.residual_dropout(y), aux_loss
 
 
-def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, partitioner=None
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """x `[b, s, h]` through every layer -> (`[b, s, h]`, sum of the MoE layers' aux losses, a 0
-    tensor when there are none)."""
+    tensor when there are none). `partitioner`: Lancet's partitioned forward
+    (moe/lancet_partition.py, `moe.lancet.partitions`), which runs the layers instead."""
     from megatron_moe.moe.cross_layer import link_moe_layers  # lazy: the MoE package builds on the model package
 
     link_moe_layers(moe_ffns(layers))
+    if partitioner is not None:
+        return partitioner.run(layers, x, padding_mask)
     aux_losses = []
     for layer in layers:
         x, aux_loss = layer(x, padding_mask)

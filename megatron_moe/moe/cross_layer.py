@@ -76,8 +76,8 @@ def _scheduler(layer):
 def before_experts(layer, tokens_per_ep_rank) -> None:
     """Alg. 2 line 7: SubTrans1 of the next MoE layer, sized to this layer's T_FEC."""
     nxt = _scheduler(layer)
-    if nxt is None or nxt.balancer.upcoming_replicas() is None:
-        return
+    if nxt is None or nxt.prefetched is not None or nxt.balancer.upcoming_replicas() is None:
+        return  # (already issued: an earlier batch part of this layer did, Lancet's partitioned forward)
     selections = sorted(nxt.balancer.upcoming_replicas())
     replicas = _replicas_of(selections, nxt.balancer.num_experts, nxt.balancer.ep_size)
     model = nxt.balancer.model

@@ -25,7 +25,7 @@ this is the mean over micro-batches. Input gradients dx are complete on every TP
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -57,12 +57,18 @@ class MoELayer(torch.nn.Module):
         self.next_moe: Optional["MoELayer"] = None
         self.prefetched, self.prefetched_rest = None, None
         self.replica_times = C.TimeSink()  # this forward's Trans / Agg times
+        # Lancet's partitioned forward (moe/lancet_partition.py): set while it runs one of a
+        # micro-batch's batch parts through this layer, a later part (index > 0) keeps the times
+        self.part_index: Optional[int] = None
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, while_dispatching: Optional[Callable[[], None]] = None,
+                while_combining: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`while_dispatching` / `while_combining`: work to run while this forward's dispatch /
+        combine all-to-all is in flight (Lancet's partitioned forward; run at once without one)."""
         b, s, h = x.shape
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
         placement = self.schedule.place(routed, self.balancer)
-        if self.prefetched is None:
+        if self.prefetched is None and not self.part_index:
             self.replica_times = C.TimeSink()
         replicas = cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
         if replicas is None:
@@ -75,7 +81,8 @@ class MoELayer(torch.nn.Module):
             if not self.balancer.plans_during_dispatch:
                 observe()
                 observe = None
-        hooks = RunHooks(observe, lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()))
+        hooks = RunHooks(_both(observe, while_dispatching),
+                         lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()), while_combining)
         y = self.schedule.run(routed, placement, self.experts, replicas, hooks)  # [b*s, h]
         cross_layer.after_layer(self)
         stats = self.schedule.stats(routed, placement)
@@ -84,3 +91,10 @@ class MoELayer(torch.nn.Module):
             stats.replicas = self.experts.slot_table.extra_vexperts
         self.last_stats = stats
         return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss
+
+
+def _both(first: Optional[Callable[[], None]], second: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """One callback running `first` then `second` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda: (first(), second())

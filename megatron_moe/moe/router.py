@@ -12,10 +12,13 @@
   (first or second expert of its token). A token chooses an expert at most once, so its k choices
   never compete with each other, and a schedule that splits the micro-batch into contiguous pieces
   gets the same drops by passing each piece the per-expert counts of the pieces before it
-  (`prior_counts`, as Lancet §4 passes counts between partitions).
+  (`prior_counts`, as Lancet §5 passes counts between partitions; `GatePartition`).
 * Aux loss (Switch Eq. 4 / GShard): E * sum_e f_e * P_e, f_e = assignments to e / (n k) before
   drops, P_e = mean router probability of e; 1.0 when perfectly balanced.
 * z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): mean over tokens of logsumexp(logits)^2.
+* Partitions (Lancet §5, `GatePartition`): a router whose `partition` is set routes one batch part
+  of a micro-batch at a time with the whole micro-batch's capacity and positions, and leaves the
+  aux loss to `GatePartition.aux_loss` once every part is routed (f_e needs every part's counts).
 """
 from __future__ import annotations
 
@@ -41,10 +44,21 @@ class Routing:
     kept: torch.Tensor  # Bool[n, k] False where capacity dropped the assignment
     tokens_per_expert: torch.Tensor  # Long[E] assignments before drops
     aux_loss: torch.Tensor  # fp32 scalar: aux_loss_coeff * load balancing + z_loss_coeff * z-loss
+    capacity: Optional[int] = None  # per expert, of the whole micro-batch (None = dropless)
+    prior_counts: Optional[torch.Tensor] = None  # Long[E] assignments of the micro-batch's earlier parts
 
     @property
     def dropped(self) -> int:
         return int((~self.kept).sum())
+
+    def dropped_of_counts(self) -> int:
+        """Assignments of these tokens that capacity drops, from the counts alone (for a schedule
+        whose `kept` covers only its own piece of the tokens, e.g. Parm S1's)."""
+        if self.capacity is None:
+            return 0
+        prior = self.prior_counts if self.prior_counts is not None else torch.zeros_like(self.tokens_per_expert)
+        over = (prior + self.tokens_per_expert - self.capacity).clamp(min=0) - (prior - self.capacity).clamp(min=0)
+        return int(over.sum())
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -94,6 +108,44 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
+class GatePartition:
+    """Lancet §5's capacity-preserving gating: one micro-batch of `total_tokens` tokens routed as
+    contiguous batch parts, in order. Each part gets the capacity of the whole micro-batch and the
+    per-expert counts of the parts before it (`prior_counts`), so drops are those of the
+    unpartitioned batch; every part's router-probability and logsumexp^2 sums are kept so that
+    `aux_loss` equals the unpartitioned aux loss (f_e needs the counts of every part)."""
+
+    def __init__(self, total_tokens: int):
+        self.total_tokens = total_tokens
+        self.counts: Optional[torch.Tensor] = None  # Long[E] assignments of the parts routed so far
+        self.prob_sums: list = []  # per part: [E] sum over its tokens of the router probabilities
+        self.z_sums: list = []  # per part: scalar sum over its tokens of logsumexp(logits)^2
+
+    def next_part(self, tokens_per_expert: torch.Tensor, prob_sum: torch.Tensor, z_sum: torch.Tensor
+                  ) -> torch.Tensor:
+        """Record one part (counts before drops, differentiable sums) -> the counts before it."""
+        prior = self.counts if self.counts is not None else torch.zeros_like(tokens_per_expert)
+        self.counts = prior + tokens_per_expert
+        self.prob_sums.append(prob_sum)
+        self.z_sums.append(z_sum)
+        return prior
+
+    def aux_loss(self, router: "Router") -> torch.Tensor:
+        """The whole micro-batch's aux loss (router.py's formulas over every part)."""
+        n = self.total_tokens
+        return losses_from_sums(router, torch.stack(self.prob_sums).sum(0) / n, torch.stack(self.z_sums).sum() / n,
+                                self.counts, n)
+
+
+def losses_from_sums(router: "Router", mean_probs: torch.Tensor, mean_z: torch.Tensor,
+                     tokens_per_expert: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """aux_loss_coeff * E * sum_e f_e P_e + z_loss_coeff * z from P_e = `mean_probs` [E] and
+    z = `mean_z`, the token means of a micro-batch of `num_tokens` routed in pieces."""
+    fraction = tokens_per_expert.float() / (num_tokens * router.top_k)  # f_e
+    return (router.aux_loss_coeff * router.num_experts * (fraction * mean_probs).sum()
+            + router.z_loss_coeff * mean_z)
+
+
 GATES = Registry("moe.gate")
 
 
@@ -112,6 +164,7 @@ class Router(torch.nn.Module):
         # measurement hook, no config key: a fixed fp32 [E] bias added to the logits so benchmarks can
         # create skewed routing (benchmarks/moe_layer.py --skew); None in training
         self.logit_bias: Optional[torch.Tensor] = None
+        self.partition: Optional[GatePartition] = None  # set while Lancet's partitioned forward routes parts
 
     def logits(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 logits [n, E] of tokens x [n, h] (with `weight`, e.g. S1's TP-mapped copy of W_r)."""
@@ -123,15 +176,24 @@ class Router(torch.nn.Module):
         gate's choice (softmax top-k; `moe.gate` registers others)."""
         return top_k_gating(logits, self.top_k)
 
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Per-expert capacity for `num_tokens` tokens (those of the whole micro-batch when routing a part)."""
+        total = self.partition.total_tokens if self.partition is not None else num_tokens
+        return expert_capacity(total, self.num_experts, self.top_k, self.capacity_factor)
+
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.logits(x)  # [n, E] fp32
         probs, expert_ids, weights = self.select(logits)
         tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)  # [E]
-        capacity = expert_capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
+        capacity = self.capacity(x.shape[0])
+        if self.partition is not None:  # one part: losses once every part is routed
+            prior = self.partition.next_part(tokens_per_expert, probs.sum(0), torch.logsumexp(logits, -1).pow(2).sum())
+            kept = capacity_keep(expert_ids, self.num_experts, capacity, prior_counts=prior)
+            return Routing(expert_ids, weights, kept, tokens_per_expert, logits.new_zeros(()), capacity, prior)
         kept = capacity_keep(expert_ids, self.num_experts, capacity)
         aux_loss = (self.aux_loss_coeff * load_balancing_loss(probs, tokens_per_expert, self.top_k)
                     + self.z_loss_coeff * z_loss(logits))
-        return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss)
+        return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss, capacity)
 
 
 from megatron_moe.moe import topology_gate  # noqa: E402,F401  (registers "topology")

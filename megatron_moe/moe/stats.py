@@ -34,6 +34,16 @@ class MoEStats:
         trans, agg = times.get("trans", [0.0, 0.0]), times.get("agg", [0.0, 0.0])
         return [self.plan_seconds, trans[0], trans[1], agg[0], agg[1]]
 
+    @classmethod
+    def merge(cls, parts: List["MoEStats"]) -> "MoEStats":
+        """One micro-batch's stats from those of its batch parts (Lancet's partitioned forward):
+        counts summed, the schedules that ran joined ("s1+s2" when `auto` picked both), the most
+        replicas of any part, planning time summed; the parts share the layer's replica times."""
+        schedules = sorted({p.schedule for p in parts})
+        return cls(sum(p.tokens_per_expert for p in parts), sum(p.dropped for p in parts),
+                   sum(p.tokens_per_ep_rank for p in parts), "+".join(schedules), max(p.replicas for p in parts),
+                   sum(p.plan_seconds for p in parts), parts[-1].replica_times)
+
     @property
     def load_imbalance(self) -> float:
         """max / mean of `tokens_per_ep_rank` (1.0 = perfectly balanced or no tokens)."""

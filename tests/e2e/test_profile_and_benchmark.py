@@ -179,12 +179,16 @@ def test_expert_scaling_sweeps_the_number_of_experts(tmp_path):
 
 
 def test_lancet_benchmark_defers_wgrad_without_changing_gradients():
-    """benchmarks/lancet.py (issue #12): the same GPT-MoE with and without `moe.lancet.defer_wgrad`;
-    the deferred dW ran inside backward all-to-alls and the gradients are the plain model's."""
+    """benchmarks/lancet.py (issue #12): the same GPT-MoE plain, with `moe.lancet.defer_wgrad`, with
+    2 batch parts and with both; the deferred dW ran inside backward all-to-alls, the parts'
+    forward all-to-alls partly under the other part's computation, and every gradient is the plain
+    model's."""
     out = json.loads(torchrun(2, "benchmarks/lancet.py", "--expert", "2", "--reps", "2", "--warmup", "0",
                               "--batch", "2").strip().splitlines()[-1])["results"]
     assert out["max_abs_grad_diff"] < 1e-6
-    for name in ("plain", "defer_wgrad"):
+    assert out["partitions"]["segments"] == [[0, 3, 2], [3, 4, 2]]  # range 1 on 2 MoE layers
+    assert out["partitions"]["a2a_exposed_ms_forward"] < out["partitions"]["a2a_total_ms_forward"]
+    for name in ("plain", "defer_wgrad", "partitions", "both"):
         assert out[name]["ms_median"] > 0 and out[name]["a2a_total_ms_backward"] > 0
         assert out[name]["a2a_exposed_ms_backward"] <= out[name]["a2a_total_ms_backward"]
     assert out["plain"]["a2a_exposed_ms_backward"] == out["plain"]["a2a_total_ms_backward"]  # synchronous

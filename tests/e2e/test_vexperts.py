@@ -2,8 +2,9 @@
 moving (weights and AdamW moments) give the losses, final parameters and optimizer state of one
 process, on expert=2, expert=4 and tensor=2 expert=2 expert_shard=2 with s2 + SAA; a run saved
 mid-way with vExperts in place resumes identically on its layout and on one process. The expert=4
-and tensor=2 runs also defer weight gradients (Lancet, `moe.lancet.defer_wgrad`, issue #12), which
-must not change a number either, and report backward all-to-all time that is partly hidden."""
+and tensor=2 runs also defer weight gradients and partition the forward into 2 batch parts
+(Lancet, `moe.lancet.defer_wgrad` / `partitions`, issue #12), which must not change a number
+either, and report backward all-to-all time that is partly hidden."""
 import pytest
 import yaml
 
@@ -15,10 +16,14 @@ pytestmark = pytest.mark.e2e
 # 20 iterations, 4 micro-batches of 2 per iteration on one process, checkpoints after 10 and 20
 RUN = INVARIANCE + ["training.train_iters=20", "training.micro_batch_size=2", "checkpoint.save_interval=10",
                     "checkpoint.keep_last=0"]
-LANCET = ["moe.lancet.defer_wgrad=true"]  # composed here too (issue #12): no extra runs for CI
-LAYOUTS = {"ep2": (2, ["parallel.expert=2"]), "ep4-lancet": (4, ["parallel.expert=4"] + LANCET),
+# composed here too (issue #12): no extra runs for CI; 2 batch parts (the micro-batch has 2
+# sequences), a fixed range on one layout and the dynamic program's pick on the other
+LANCET = ["moe.lancet.defer_wgrad=true", "moe.lancet.partitions=2"]
+LAYOUTS = {"ep2": (2, ["parallel.expert=2"]),
+           "ep4-lancet": (4, ["parallel.expert=4", "moe.lancet.partition_range=1"] + LANCET),
            "tp2-ep2-esp2-s2-saa-lancet": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2",
-                                              "moe.schedule=s2", "moe.saa=true"] + LANCET)}
+                                              "moe.schedule=s2", "moe.saa=true", "moe.lancet.partition_range=auto"]
+                                          + LANCET)}
 
 
 def _cheap_moves_profile(tmp_path) -> str:

@@ -1,6 +1,10 @@
 """Lancet's weight-gradient scheduling (moe/lancet.py): the deferred linear and grouped GEMM give
 autograd's gradients, and `WGradScheduler.fill` is Alg. 1's greedy (best match to the remaining
 all-to-all time first, until it is covered), with the rest run when backward ends."""
+import itertools
+import math
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +13,8 @@ from megatron_moe.config import ConfigError, load_config, validate_config
 from megatron_moe.moe.grouped_gemm import grouped_mm
 from megatron_moe.moe.lancet import WGradScheduler, deferred_grouped_mm, deferred_linear
 from megatron_moe.perf.alpha_beta import AlphaBeta
+from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
+                                                pipeline_time, segment_time)
 
 
 def test_deferred_linear_matches_autograd_and_defers_until_backward_ends():
@@ -85,3 +91,122 @@ def test_defer_wgrad_with_bf16_is_refused():
     cfg = load_config("configs/gpt_moe_tiny.yaml", ["moe.lancet.defer_wgrad=true", "training.precision=bf16"])
     with pytest.raises(ConfigError, match="moe.lancet.defer_wgrad.*training.precision"):
         validate_config(cfg, 1)
+
+
+# -- §5: the partitioned forward (moe/lancet_partition.py, perf/lancet_partition.py) -------------
+
+def _instructions(rng, n_ops, max_parts, moe_every):
+    """Random sublayer times; every `moe_every`-th op is an MoE FFN with random all-to-alls."""
+    ops = []
+    for i in range(n_ops):
+        base = {k: float(rng.uniform(0.5, 2.0)) / k + float(rng.uniform(0, 0.3)) for k in range(1, max_parts + 1)}
+        if i % moe_every == moe_every - 1:
+            comm = float(rng.uniform(0.5, 4.0))
+            moe = {k: MoECost(base[k], comm / k + 0.05 * k, comm / k + 0.05 * k) for k in base}
+            ops.append(Instruction(f"moe{i}", base, moe))
+        else:
+            ops.append(Instruction(f"op{i}", base))
+    return ops
+
+
+def _brute_force(ops, max_parts):
+    """min over every split of the ops into contiguous segments and every k per segment."""
+    n, best = len(ops), math.inf
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [n]
+        total = 0.0
+        for start, end in zip(bounds, bounds[1:]):
+            total += min(segment_time(ops, start, end, k) for k in range(1, max_parts + 1))
+        best = min(best, total)
+    return best
+
+
+def test_partition_dynamic_program_matches_brute_force():
+    rng = np.random.default_rng(0)
+    partitioned = 0
+    for case in range(60):
+        ops = _instructions(rng, n_ops=int(rng.integers(2, 9)), max_parts=4, moe_every=int(rng.integers(2, 4)))
+        predicted, segments = best_partitioning(ops, 4)
+        assert predicted == pytest.approx(_brute_force(ops, 4), rel=1e-12), case
+        # the segments reproduce the prediction: partitioned ones as P(i, n, k), the rest plain
+        covered = sum(segment_time(ops, s.start, s.end, s.parts) for s in segments)
+        plain = sum(op.total(1) for i, op in enumerate(ops) if not any(s.start <= i < s.end for s in segments))
+        assert covered + plain == pytest.approx(predicted, rel=1e-12)
+        assert all(sum(ops[i].moe is not None for i in range(s.start, s.end)) == 1 for s in segments)
+        partitioned += bool(segments)
+    assert partitioned > 10  # the cases exercise partitioning, not only the plain sum
+
+
+def test_pipeline_time_overlaps_all_to_alls_with_the_other_parts():
+    moe = MoECost(compute=1.0, dispatch=2.0, combine=2.0)
+    assert pipeline_time(1, 3.0, moe, 3.0) == 3 + 2 + 1 + 2 + 3  # one part: nothing overlaps
+    # two parts of half the work: D_0 runs under A_1 and C_1 under B_0; C_0 and D_1 stay exposed:
+    # A0 3 | D0 (A1 3) | X0 1 | C0 2 | D1 2 | X1 1 | C1 (B0 3) | B1 3 = 18, vs 22 unpartitioned
+    assert pipeline_time(2, 3.0, moe, 3.0) == 18.0
+    assert pipeline_time(1, 6.0, MoECost(2.0, 4.0, 4.0), 6.0) == 22.0
+    # segments: no MoE FFN or two of them cannot be partitioned
+    ops = [Instruction("a", {1: 1.0, 2: 0.6}), Instruction("b", {1: 1.0, 2: 0.6})]
+    assert segment_time(ops, 0, 2, 2) == math.inf and segment_time(ops, 0, 2, 1) == 2.0
+
+
+def test_fixed_partition_ranges_do_not_overlap():
+    is_moe = [False, True] * 3  # a0 F0 a1 F1 a2 F2 (layer_freq 1)
+    assert [(s.start, s.end) for s in fixed_partitioning(is_moe, 2, 0)] == [(1, 2), (3, 4), (5, 6)]
+    assert [(s.start, s.end) for s in fixed_partitioning(is_moe, 2, 1)] == [(0, 3), (3, 5), (5, 6)]
+    is_moe = [False, False, False, True] * 2  # a0 d0 a1 F1 a2 d2 a3 F3 (layer_freq 2)
+    assert [(s.start, s.end, s.moe) for s in fixed_partitioning(is_moe, 4, 2)] == [(1, 6, 3), (6, 8, 7)]
+
+
+def _model_run(overrides, bert=False):
+    """Loss, aux, every gradient and drops of one forward + backward of a tiny model with dropout
+    0.1 and capacity drops, on one process."""
+    from megatron_moe.distributed.parallel_state import ParallelState
+    from megatron_moe.model.bert import BertMoEModel
+    from megatron_moe.model.gpt import GPTMoEModel
+
+    base = ["model.seq_length=12", "model.vocab_size=300", "training.micro_batch_size=4", "model.dropout=0.1",
+            "moe.capacity_factor=1.0", "moe.num_experts=4"]
+    cfg = load_config("configs/bert_moe_tiny.yaml" if bert else "configs/gpt_moe_tiny.yaml", base + overrides)
+    validate_config(cfg, 1)
+    model = (BertMoEModel if bert else GPTMoEModel)(cfg, ParallelState.single_process())
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 12), generator=gen)
+    if bert:
+        pad = torch.ones(4, 12)
+        pad[1, 8:] = 0
+        pad[3, 5:] = 0
+        out = model(tokens, torch.zeros_like(tokens), pad, tokens, pad, torch.tensor([0, 1, 1, 0]))
+        loss = out.lm_loss + out.binary_loss + out.aux_loss
+    else:
+        out = model(tokens, tokens)
+        loss = out.lm_loss + out.aux_loss
+    loss.backward()
+    return (float(out.lm_loss.detach()), float(out.aux_loss.detach()), {n: p.grad for n, p in model.named_parameters()},
+            [s.dropped for s in out.moe_stats], [s.tokens_per_expert for s in out.moe_stats])
+
+
+@pytest.mark.parametrize("bert", [False, True], ids=["gpt", "bert"])
+def test_partitioned_forward_is_exact_with_dropout_and_drops(bert):
+    loss, aux, grads, dropped, counts = _model_run([], bert)
+    assert sum(dropped) > 0
+    for parts, reach, defer in [(2, "1", False), (4, "0", True), (3, "3", False), (4, "auto", False)]:
+        label = f"partitions={parts} range={reach} defer_wgrad={defer}"
+        got = _model_run([f"moe.lancet.partitions={parts}", f"moe.lancet.partition_range={reach}",
+                          f"moe.lancet.defer_wgrad={str(defer).lower()}"], bert)
+        assert got[0] == pytest.approx(loss, rel=1e-6) and got[1] == pytest.approx(aux, rel=1e-6), label
+        assert got[3] == dropped, label
+        for a, b in zip(got[4], counts):
+            assert torch.equal(a, b), label
+        for name, grad in grads.items():
+            torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{label} {name}: {m}")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["moe.lancet.partitions=3", "training.micro_batch_size=2"], "partitions=3 must be <= training.micro_batch_size"),
+    (["moe.lancet.partitions=0"], "partitions=0 must be >= 1"),
+    (["moe.lancet.partitions=2", "moe.lancet.partition_range=all"], "partition_range='all' must be auto"),
+    (["moe.lancet.partitions=2", "moe.gate=topology"], "moe.lancet.partitions>1 and moe.gate=topology"),
+])
+def test_partition_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_config(load_config("configs/gpt_moe_tiny.yaml", overrides), 1)

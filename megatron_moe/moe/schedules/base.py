@@ -26,7 +26,8 @@ Seams for the techniques to come:
 * FasterMoE's smart schedule (`moe.smart_schedule`, schedules/smart.py) replaces the all-to-all,
   experts and all-to-all back of `run` with pipelined pairwise steps; a schedule supports it by
   providing `smart_parts` (the rows as they leave, ordered by peer) and `smart_finish`.
-  Lancet's forward partition pipelining and weight-gradient deferral hook into `run` the same way.
+  Lancet's partitioned forward (moe/lancet_partition.py) runs other parts' non-MoE computation in
+  `hooks.while_dispatching` / `while_combining`; its dW deferral fills the backward all-to-alls.
 """
 from __future__ import annotations
 
@@ -56,19 +57,31 @@ class Routed:
 
 @dataclass
 class RunHooks:
-    """Callbacks on one forward of a schedule (both optional, each runs once)."""
+    """Callbacks on one forward of a schedule (each optional, each runs once, in every case: what
+    no all-to-all takes runs when `run` returns, see `flush`)."""
 
     while_dispatching: Optional[Callable[[], None]] = None  # while the dispatch all-to-all is in flight
     before_experts: Optional[Callable[[], None]] = None  # right before the expert computation
+    while_combining: Optional[Callable[[], None]] = None  # while the combine all-to-all is in flight
 
     def in_flight(self) -> Optional[Callable[[], None]]:
         """`while_dispatching` for a schedule's first all-to-all to run (once)."""
         fn, self.while_dispatching = self.while_dispatching, None
         return fn
 
+    def combining(self) -> Optional[Callable[[], None]]:
+        """`while_combining` for the combine all-to-all (once)."""
+        fn, self.while_combining = self.while_combining, None
+        return fn
+
     def flush(self) -> None:
-        """Run what no all-to-all took (a schedule without one, a group of one)."""
+        """Run what no dispatch all-to-all took (a schedule without one, a group of one)."""
         fn = self.in_flight()
+        if fn is not None:
+            fn()
+
+    def flush_combining(self) -> None:
+        fn = self.combining()
         if fn is not None:
             fn()
 
@@ -119,12 +132,15 @@ class Schedule(ABC):
             self.hooks.flush()
             if self.hooks.before_experts:
                 self.hooks.before_experts()
-            return self.run_smart(routed, placement, experts, replicas)
-        batch, ctx = self.dispatch(routed, placement)  # its first all-to-all takes `hooks.in_flight()`
-        self.hooks.flush()
-        if self.hooks.before_experts:
-            self.hooks.before_experts()
-        return self.combine(experts(batch, replicas, grad_scale=self.expert_grad_scale), ctx)
+            y = self.run_smart(routed, placement, experts, replicas)
+        else:
+            batch, ctx = self.dispatch(routed, placement)  # its first all-to-all takes `hooks.in_flight()`
+            self.hooks.flush()
+            if self.hooks.before_experts:
+                self.hooks.before_experts()
+            y = self.combine(experts(batch, replicas, grad_scale=self.expert_grad_scale), ctx)  # takes `combining()`
+        self.hooks.flush_combining()
+        return y
 
     # -- FasterMoE's smart schedule (schedules/smart.py) --------------------------------------------
     def smart_parts(self, routed: Routed, placement: Placement) -> Tuple[torch.Tensor, Any, Any, Callable]:

@@ -109,7 +109,7 @@ class BaselineSchedule(Schedule):
         out = reduce_from_tp_region(expert_output, self.state.esp)  # step 6: ESP-AllReduce (Megatron g on esp)
         out = out.index_select(0, _inverse(ctx.recv_order))  # as received: source-major
         returned = C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, self.state.ep,
-                                           backward_fill=self.backward_fill())
+                                           while_in_flight=self.hooks.combining(), backward_fill=self.backward_fill())
         return self._finish(returned, ctx)  # step 7
 
     def _finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:

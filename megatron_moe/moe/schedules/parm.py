@@ -69,7 +69,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.router import Router, Routing, capacity_keep, expert_capacity, top_k_gating
+from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums, top_k_gating
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
@@ -123,23 +123,28 @@ def _kept_slots(expert_ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 
 
 def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) -> Routing:
-    """S1 step 2: route this TP rank's `piece` [n_t, h] of a `num_tokens`-token micro-batch with
-    the whole micro-batch's capacity positions and losses (router.py's math)."""
+    """S1 step 2: route this TP rank's `piece` [n_t, h] of a `num_tokens`-token micro-batch (or of
+    one Lancet part of it, `router.partition`) with the whole micro-batch's capacity positions and
+    losses (router.py's math)."""
     num_experts, k = router.num_experts, router.top_k
     logits = router.logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
     probs, expert_ids, weights = top_k_gating(logits, k)
     counts = torch.bincount(expert_ids.flatten(), minlength=num_experts)
     counts = C.all_gather(counts, tp, kind=COUNTS_KIND).view(tp.size, num_experts)  # [tp, E]
     tokens_per_expert = counts.sum(0)
-    capacity = expert_capacity(num_tokens, num_experts, k, router.capacity_factor)
-    kept = capacity_keep(expert_ids, num_experts, capacity, prior_counts=counts[: tp.rank].sum(0))
-    # token sums of the router probabilities and of logsumexp^2 over the whole micro-batch [E + 1]
-    sums = torch.cat([probs.sum(0), torch.logsumexp(logits, dim=-1).pow(2).sum().view(1)])
-    sums = reduce_from_tp_region(sums, tp) / num_tokens
-    fraction = tokens_per_expert.float() / (num_tokens * k)  # f_e of load_balancing_loss
-    aux_loss = (router.aux_loss_coeff * num_experts * (fraction * sums[:num_experts]).sum()
-                + router.z_loss_coeff * sums[num_experts])
-    return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss)
+    # token sums of the router probabilities and of logsumexp^2 over the TP pieces [E + 1]
+    sums = reduce_from_tp_region(torch.cat([probs.sum(0), torch.logsumexp(logits, dim=-1).pow(2).sum().view(1)]), tp)
+    part_prior = None
+    if router.partition is not None:  # Lancet part: losses once every part is routed
+        part_prior = router.partition.next_part(tokens_per_expert, sums[:num_experts], sums[num_experts])
+        aux_loss = logits.new_zeros(())
+    else:
+        aux_loss = losses_from_sums(router, sums[:num_experts] / num_tokens, sums[num_experts] / num_tokens,
+                                    tokens_per_expert, num_tokens)
+    prior = counts[: tp.rank].sum(0) + (part_prior if part_prior is not None else 0)
+    capacity = router.capacity(num_tokens)
+    kept = capacity_keep(expert_ids, num_experts, capacity, prior_counts=prior)
+    return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss, capacity, part_prior)
 
 
 class EpEspExchange:
@@ -151,6 +156,7 @@ class EpEspExchange:
                  saa: bool, device: torch.device):
         self.state, self.piece_rows, self.saa = state, piece_rows, saa
         self.in_flight: Optional[Callable[[], None]] = None  # run during the next `down`'s all-to-all
+        self.combining: Optional[Callable[[], None]] = None  # run during the forward's `up` (RunHooks)
         self.backward_fill: Optional[Callable[[int], None]] = None  # Lancet: runs during backward's all-to-alls
         source, p, esp = state.ep_esp.rank, state.ep.rank, state.esp_size
         self.per_ep = placement.send_splits(source)  # [ep] own rows for each EP rank
@@ -236,7 +242,10 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, exchange: EpEspExchange, direction: str):
         ctx.exchange, ctx.direction = exchange, direction
-        return exchange.down(x) if direction == "down" else exchange.up(x)
+        if direction == "down":
+            return exchange.down(x)
+        combining, exchange.combining = exchange.combining, None
+        return exchange.up(x, combining)
 
     @staticmethod
     def backward(ctx, grad):
@@ -260,16 +269,12 @@ class ParmSchedule(Schedule):
         gathered = C.all_gather(local.reshape(1, -1), self.state.ep_esp, kind=COUNTS_KIND)
         return gathered.view((-1,) + tuple(local.shape)).cpu()
 
-    def _dropped(self, routing: Routing, num_tokens: int, router: Router) -> int:
-        capacity = expert_capacity(num_tokens, router.num_experts, router.top_k, router.capacity_factor)
-        return 0 if capacity is None else int((routing.tokens_per_expert - capacity).clamp(min=0).sum())
-
     def _token_split(self, router: Router, routing: Routing, tokens: torch.Tensor, sizes: List[int],
                      counts: torch.Tensor) -> ParmRouted:
         """S1 from this TP rank's routed tokens; `counts` Long[S, E] of every source's piece."""
         slots = _kept_slots(routing.expert_ids, routing.kept)
         return ParmRouted(routing, counts, "s1", tokens, routing.weights, slots, None, sizes,
-                          self._dropped(routing, sum(sizes), router))
+                          routing.dropped_of_counts())
 
     def _expert_split(self, router: Router, routing: Routing, x: torch.Tensor,
                       counts: Optional[torch.Tensor] = None) -> ParmRouted:
@@ -283,7 +288,7 @@ class ParmSchedule(Schedule):
         slots = slots[_block_index(starts.flatten(), chunks.flatten())]  # TP pieces, experts ascending
         counts = self._gather_counts(chunks[tp.rank]) if counts is None else counts
         return ParmRouted(routing, counts, "s2", x, routing.weights, slots, chunks.sum(1).tolist(), None,
-                          self._dropped(routing, x.shape[0], router))
+                          routing.dropped_of_counts())
 
     def uses_saa(self, routed: ParmRouted) -> bool:
         """SAA is S2's combine (§III-D); S1 has no MP-AllGather of expert outputs to overlap."""
@@ -308,6 +313,7 @@ class ParmSchedule(Schedule):
 
     def combine(self, expert_output: torch.Tensor, ctx: Tuple[ParmRouted, EpEspExchange]) -> torch.Tensor:
         routed, exchange = ctx
+        exchange.combining = self.hooks.combining()
         return self._finish(_Exchange.apply(expert_output, exchange, "up"), routed)  # rows aligned with slots
 
     def _finish(self, rows: torch.Tensor, routed: ParmRouted) -> torch.Tensor:
@@ -418,7 +424,8 @@ class Auto(ParmSchedule):
         else:
             sizes, start, end = _tp_piece(state, x.shape[0])
             piece = Routing(routing.expert_ids[start:end], C.split_v_autograd(routing.weights, state.tp, sizes),
-                            routing.kept[start:end], routing.tokens_per_expert, routing.aux_loss)
+                            routing.kept[start:end], routing.tokens_per_expert, routing.aux_loss, routing.capacity,
+                            routing.prior_counts)
             routed.chosen = self._token_split(router, piece, C.split_v_autograd(x, state.tp, sizes), sizes,
                                               routed.counts_s1)
         return placements[choice]
