@@ -16,6 +16,7 @@ CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "model.binary_head": ("sop", "nsp", "none"),
     "training.on_nonfinite": ("skip", "stop"),
+    "training.recompute": ("none", "selective", "full"),
 }
 
 POSITIVE = (
@@ -289,6 +290,10 @@ def _check_lancet_partitions(cfg) -> None:
     rng = str(lancet.partition_range)
     if rng != "auto" and not (rng.isdigit()):
         raise ConfigError(f"moe.lancet.partition_range={rng!r} must be auto or a number of sublayers >= 0")
+    if lancet.partitions > 1 and cfg.training.recompute != "none":
+        raise ConfigError(f"moe.lancet.partitions>1 and training.recompute={cfg.training.recompute} cannot be "
+                          "combined yet: the partitioned forward runs sublayers per batch part, outside the "
+                          "recomputed regions and their dropout replay")
     if lancet.partitions > 1 and cfg.moe.gate == "topology":
         raise ConfigError("moe.lancet.partitions>1 and moe.gate=topology cannot be combined: the topology gate's "
                           "budget ranks the whole micro-batch's choices, so batch parts would route differently "

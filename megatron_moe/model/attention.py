@@ -19,13 +19,16 @@ import torch.nn.functional as F
 
 from megatron_moe.config.schema import ModelConfig
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import apply_rotary, rotary_cos_sin
 from megatron_moe.tensor_parallel import ColumnParallelLinear, Dropout, DropoutRNG, RowParallelLinear
 
 
 class SelfAttention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG, *, output_std: float,
-                 causal: bool = True):
+                 causal: bool = True, recompute: bool = False):
+        """`recompute`: keep only q, k, v of the core attention and run it again in backward
+        (`training.recompute=selective`, model/recompute.py)."""
         super().__init__()
         h = cfg.hidden_size
         self.head_dim = h // cfg.num_attention_heads
@@ -35,6 +38,7 @@ class SelfAttention(torch.nn.Module):
         self.qkv = ColumnParallelLinear(h, 3 * h, state, bias=cfg.bias, std=cfg.init_std)
         self.proj = RowParallelLinear(h, h, state, bias=cfg.bias, std=output_std)
         self.attn_dropout = Dropout(cfg.dropout, rng, "sharded")
+        self.rng, self.recompute = rng, recompute
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x `[b, s, h]` replicated; padding_mask `[b, s]` (1 = real token, 0 = padding key) or None.
@@ -45,7 +49,10 @@ class SelfAttention(torch.nn.Module):
         if self.rope_theta is not None:
             cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        context = self._attend(q, k, v, padding_mask)  # [b, heads/tp, s, d]
+        if self.recompute:
+            context = recomputed(self._attend, self.rng, x.device, q, k, v, padding_mask)  # [b, heads/tp, s, d]
+        else:
+            context = self._attend(q, k, v, padding_mask)
         return self.proj(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def _allowed(self, s: int, padding_mask: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:

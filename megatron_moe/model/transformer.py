@@ -18,6 +18,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.attention import SelfAttention
 from megatron_moe.model.mlp import MLP
 from megatron_moe.model.norm import build_norm
+from megatron_moe.model.recompute import recomputed
 from megatron_moe.tensor_parallel import Dropout, DropoutRNG
 
 
@@ -39,7 +40,8 @@ class TransformerLayer(torch.nn.Module):
         m = cfg.model
         output_std = residual_output_std(m)
         self.attention_norm = build_norm(m, state)
-        self.attention = SelfAttention(m, state, rng, output_std=output_std, causal=causal)
+        self.attention = SelfAttention(m, state, rng, output_std=output_std, causal=causal,
+                                       recompute=cfg.training.recompute == "selective")
         self.ffn_norm = build_norm(m, state)
         self.is_moe = is_moe_layer(layer_index, cfg.moe.layer_freq)
         if self.is_moe:
@@ -49,10 +51,16 @@ class TransformerLayer(torch.nn.Module):
         else:
             self.ffn = MLP(m, state, output_std=output_std)
         self.residual_dropout = Dropout(m.dropout, rng, "replicated")
+        self.rng, self.recompute_layer = rng, cfg.training.recompute == "full"  # model/recompute.py
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x `[b, s, h]` -> (`[b, s, h]`, the MoE layer's aux loss scalar or None for a dense FFN)."""
+        if self.recompute_layer:  # training.recompute=full: keep x only, run again in backward
+            return recomputed(self._forward, self.rng, x.device, x, padding_mask)
+        return self._forward(x, padding_mask)
+
+    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         return self.ffn_sublayer(self.attention_sublayer(x, padding_mask))
 
     def attention_sublayer(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -27,18 +27,24 @@ def _native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _SUPPORTED:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
-            try:
-                x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
-                w = torch.ones(2, 8, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
-                with torch.autocast(device.type, enabled=False):
-                    y = torch._grouped_mm(x, w, offs=offs)
-                    y.backward(torch.ones_like(y))
-                ok = bool(torch.all(y == 8)) and bool(torch.all(w.grad[1] == 3))
+            try:  # saved normally: a probe inside a recomputed region must not count as its activations
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad():
+                    ok = _probe(device, dtype)
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _SUPPORTED[key] = ok
     return _SUPPORTED[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny `torch._grouped_mm`, forward and backward, checked against the known result."""
+    x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(2, 8, 16, device=device, dtype=dtype, requires_grad=True)
+    offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+    with torch.autocast(device.type, enabled=False):
+        y = torch._grouped_mm(x, w, offs=offs)
+        y.backward(torch.ones_like(y))
+    return bool(torch.all(y == 8)) and bool(torch.all(w.grad[1] == 3))
 
 
 class _LoopGroupedMM(torch.autograd.Function):

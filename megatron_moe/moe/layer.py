@@ -33,9 +33,10 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe import cross_layer
+from megatron_moe.model.recompute import is_recomputing
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
-from megatron_moe.moe.replicas import fetch_replicas
+from megatron_moe.moe.replicas import ReplicaWeights, fetch_replicas, start_trans
 from megatron_moe.moe.router import GATES
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import RunHooks
@@ -60,6 +61,8 @@ class MoELayer(torch.nn.Module):
         # Lancet's partitioned forward (moe/lancet_partition.py): set while it runs one of a
         # micro-batch's batch parts through this layer, a later part (index > 0) keeps the times
         self.part_index: Optional[int] = None
+        self.planned: list = []  # the placements of the latest forward (replayed by a recomputation)
+        self.trans_pieces: list = []  # what each Trans of the latest forward moved (cross_layer.take_prefetched)
 
     def forward(self, x: torch.Tensor, while_dispatching: Optional[Callable[[], None]] = None,
                 while_combining: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +70,11 @@ class MoELayer(torch.nn.Module):
         combine all-to-all is in flight (Lancet's partitioned forward; run at once without one)."""
         b, s, h = x.shape
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
-        placement = self.schedule.place(routed, self.balancer)
+        if is_recomputing():  # training.recompute=full: the original forward again, nothing learned
+            return self._recompute(routed, b, s, h, x.dtype)
+        planner = _PlanRecorder(self.balancer)
+        placement = self.schedule.place(routed, planner)
+        self.planned = planner.placements
         if self.prefetched is None and not self.part_index:
             self.replica_times = C.TimeSink()
         replicas = cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
@@ -92,9 +99,42 @@ class MoELayer(torch.nn.Module):
         self.last_stats = stats
         return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss
 
+    def _recompute(self, routed, b: int, s: int, h: int, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This layer's forward run again in backward (model/recompute.py): the placements the
+        original forward planned (the balancer may have moved on), no observe, no prefetch, no stats."""
+        placement = self.schedule.place(routed, _PlanReplay(self.planned))
+        if len(self.trans_pieces) > 1:  # the block before had split Trans in two (Pro-Prophet's scheduler)
+            replicas = ReplicaWeights.joined([start_trans(self.experts, piece, self.state, C.TimeSink())
+                                              for piece in self.trans_pieces])
+        else:
+            replicas = fetch_replicas(self.experts, placement, self.state, C.TimeSink())
+        y = self.schedule.run(routed, placement, self.experts, replicas)
+        return y.to(dtype).view(b, s, h), routed.routing.aux_loss
+
 
 def _both(first: Optional[Callable[[], None]], second: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
     """One callback running `first` then `second` (either may be None)."""
     if first is None or second is None:
         return first or second
     return lambda: (first(), second())
+
+
+class _PlanRecorder:
+    """The balancer, as `Schedule.place` sees it, keeping the placements its `plan` returns."""
+
+    def __init__(self, balancer):
+        self.balancer, self.placements = balancer, []
+
+    def plan(self, counts, sources):
+        self.placements.append(self.balancer.plan(counts, sources))
+        return self.placements[-1]
+
+
+class _PlanReplay:
+    """A recomputed forward's planner: the original forward's placements, in the order planned."""
+
+    def __init__(self, placements):
+        self.placements = list(placements)
+
+    def plan(self, counts, sources):
+        return self.placements.pop(0)

@@ -65,6 +65,8 @@ def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> 
         layout = RankLayout(world_size=info.world_size, tensor=par.tensor, pipeline=par.pipeline,
                             expert=par.expert, expert_shard=par.expert_shard,
                             ranks_per_node=par.ranks_per_node or info.ranks_per_node)
-        Trainer(cfg, ParallelState.build(layout, info.rank), model_cls, datasets).train()
+        state = ParallelState.build(layout, info.rank)
+        Trainer(cfg, state, model_cls, datasets).train()
+        collectives.barrier(state.world)  # no rank tears its connections down while another still uses them
     finally:
         collectives.destroy_process_group()

@@ -75,6 +75,7 @@ class Trainer:
         self.skipped_iterations = 0  # non-finite updates dropped (training.on_nonfinite=skip)
         self.routed_per_source = None  # Long[dp, moe layers, E + 1] of the last iteration: counts | dropped
         self.vexpert_slots = None  # per MoE layer Int[ep, V]: the vExpert placement after the last iteration
+        self.latest_moe = None  # IterationMoEStats of the last train_step (step_details reduces it)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if tr.precision == "bf16" else contextlib.nullcontext())
 
@@ -186,13 +187,14 @@ class Trainer:
             self.skipped_iterations += 1
         # vExperts: FlexMoE / EPLB move slots (weights + AdamW moments) between iterations
         moves = [layer.balancer.after_optimizer_step(iteration, self.optimizer) for layer in moe_layers]
-        moe_metrics = self.moe_metrics(moe)
+        vexperts = {}
         if any(layer.experts.slot_table is not None for layer in moe_layers):
-            moe_metrics.update(self.vexpert_metrics(moe_layers, moves))
+            vexperts = self.vexpert_metrics(moe_layers, moves)
             after = collectives.COMM_STATS.bytes_by_kind()  # the moves ran after the snapshot above
             comm_bytes.update({k: v for k, v in after.items() if k == MOVE_KIND})
             for key, seconds in collectives.COMM_STATS.seconds_by_kind().items():
                 comm_times[key].update({k: v for k, v in seconds.items() if k == MOVE_KIND})
+        self.latest_moe = moe  # for `step_details`
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -201,16 +203,22 @@ class Trainer:
             "iteration": iteration, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tr.global_batch_size * self.cfg.model.seq_length / seconds,
             "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes, "comm_bytes_inter_node": inter_node,
-            **moe_metrics,
+            **vexperts,
             "time_ms": {**{k: v * 1e3 for k, v in self.timer.seconds.items()},
                         "comm_wait": sum(comm_times["exposed"].values()) * 1e3},
             "comm_exposed_ms": {k: v * 1e3 for k, v in comm_times["exposed"].items()},
             "comm_total_ms": {k: v * 1e3 for k, v in comm_times["total"].items()},
             "a2a_exposed_ms": {k: v * 1e3 for k, v in a2a["exposed"].items()},
             "a2a_total_ms": {k: v * 1e3 for k, v in a2a["total"].items()},
-            "skipped_iterations": self.skipped_iterations, **self.memory_metrics(),
+            "skipped_iterations": self.skipped_iterations,
             **({"binary_loss": binary_loss} if self.has_binary_head else {}),
         }
+
+    def step_details(self) -> Record:
+        """Collective: the latest `train_step`'s metrics that need other ranks' numbers (per-layer
+        MoE loads, replicas and timings; peak memory per rank). The loop asks only on iterations
+        it logs (or traces / draws), so the other iterations run no metric collectives (issue #16)."""
+        return {**self.moe_metrics(self.latest_moe), **self.memory_metrics()}
 
     @torch.no_grad()
     def evaluate(self) -> Record:
@@ -242,15 +250,19 @@ class Trainer:
             with StopRequest(self.state, self.device) as stop:
                 for iteration in range(start + 1, tr.train_iters + 1):
                     record = self.train_step(iteration)
-                    self.log_routing(iteration, trace, metrics)
                     elapsed += record["iter_time_ms"] / 1e3
                     stopping = stop.agreed()  # preemption: every rank stops after the same iteration
                     evaluate = tr.eval_iters > 0 and tr.eval_interval > 0 and (
                         iteration % tr.eval_interval == 0 or iteration == tr.train_iters)
+                    logged = (evaluate or stopping or iteration == 1 or iteration % tr.log_interval == 0
+                              or iteration == tr.train_iters)
+                    self.routed_per_source = None
+                    if logged or self.cfg.logging.routing_trace or self.image_due(iteration):  # the same on every rank
+                        record.update(self.step_details())
+                        self.log_routing(iteration, trace, metrics)
                     if evaluate:
                         record.update(self.evaluate())
-                    if (evaluate or stopping or iteration == 1 or iteration % tr.log_interval == 0
-                            or iteration == tr.train_iters):
+                    if logged:
                         metrics.log(record, eta_s=elapsed / (iteration - start) * (tr.train_iters - iteration))
                         records.append(record)
                     save_interval = self.cfg.checkpoint.save_interval
@@ -308,6 +320,11 @@ class Trainer:
             "num_experts": moe.num_experts, "top_k": moe.top_k,
             "tokens_per_iteration": self.cfg.training.global_batch_size * self.cfg.model.seq_length})
 
+    def image_due(self, iteration: int) -> bool:
+        """Is this an iteration whose load pictures go to TensorBoard (`logging.image_interval`)?"""
+        interval = self.cfg.logging.image_interval
+        return bool(self.cfg.logging.tensorboard and interval and iteration % interval == 0)
+
     def log_routing(self, iteration: int, trace, metrics: MetricsLogger) -> None:
         """Rank 0: the iteration's [source, expert] counts to the trace, and every
         `logging.image_interval` iterations the layer x expert heatmap to TensorBoard."""
@@ -316,8 +333,7 @@ class Trainer:
             return
         if trace is not None:
             trace.append(iteration, routed[..., :-1].transpose(0, 1).numpy(), routed[..., -1].T.numpy())
-        interval = self.cfg.logging.image_interval
-        if metrics.tensorboard and interval and iteration % interval == 0:
+        if metrics.tensorboard and self.image_due(iteration):
             from megatron_moe.moe.load_plots import figure_rgb, heatmap_figure
 
             metrics.image("expert_load/heatmap", figure_rgb(heatmap_figure(routed[..., :-1].sum(0).numpy(), iteration)),

@@ -6,7 +6,9 @@
    exact expected values (the norm counts every parameter once: no double counting of replicas).
 2. The real GPT-MoE model: one global batch on 8 ranks (tensor=2 expert=2 expert_shard=2, dp 4,
    edp 2) and on 4 ranks (expert=2 expert_shard=2, esp != tp) gives the same synced gradients and
-   grad norm as one process.
+   grad norm as one process; on 4 ranks so does the same model with full activation
+   recomputation (`training.recompute=full`) under s2 + SAA with FasterMoE replicas: its MoE layers
+   run their all-to-alls again in backward and replay the placements planned in forward.
 """
 import math
 import zlib
@@ -102,15 +104,23 @@ def _trainer_grads(cfg, state):
     return loss, aux, trainer.grads.grad_norm(), grads
 
 
-def _model_config(layout):
+def _model_config(layout, extra=()):
     return load_config("configs/gpt_moe_tiny.yaml", [
         "model.seq_length=16", "training.micro_batch_size=2", "training.global_batch_size=8",
-        "moe.num_experts=4", "moe.z_loss_coeff=0.001"] + [f"parallel.{k}={v}" for k, v in layout.items()])
+        "moe.num_experts=4", "moe.z_loss_coeff=0.001"] + [f"parallel.{k}={v}" for k, v in layout.items()]
+        + list(extra))
+
+
+RECOMPUTE = ["training.recompute=full", "moe.schedule=s2", "moe.saa=true", "moe.balancer=fastermoe",
+             "moe.fastermoe.min_shadow=1", "perf.hardware_profile=configs/hardware/cpu_gloo_2proc.yaml"]
 
 
 def _check_all(state, layout):
     handmade = _check_handmade(state)
-    return handmade, _trainer_grads(_model_config(layout), state)
+    runs = [_trainer_grads(_model_config(layout), state)]
+    if state.world_size == 4:
+        runs.append(_trainer_grads(_model_config(layout, RECOMPUTE), state))
+    return (handmade, *runs)
 
 
 @pytest.mark.parametrize("world,layout", [
@@ -119,7 +129,7 @@ def _check_all(state, layout):
 ])
 def test_grad_sync_and_norm_match_single_process(world, layout):
     outs = run_distributed(world, _check_all, layout, args=(layout,))
-    (calls, norm, naive), _ = outs[0]
+    (calls, norm, naive) = outs[0][0]
     # bucketed: one all-reduce per (group, bucket), not one per parameter
     big = calls[1 << 20]
     assert sum(v for k, v in big.items() if k.startswith("all_reduce/")) < len(METAS)
@@ -127,7 +137,7 @@ def test_grad_sync_and_norm_match_single_process(world, layout):
     assert naive > norm * 1.2  # the double-counting norm differs clearly from the right one
 
     ref_loss, ref_aux, ref_norm, ref_grads = _trainer_grads(_model_config({}), ParallelState.single_process())
-    for rank, (_, (loss, aux, norm, grads)) in enumerate(outs):
+    for rank, (loss, aux, norm, grads) in [(r, run) for r, out in enumerate(outs) for run in out[1:]]:
         assert loss == pytest.approx(ref_loss, rel=1e-5) and aux == pytest.approx(ref_aux, rel=1e-4, abs=1e-7)
         assert norm == pytest.approx(ref_norm, rel=1e-4)
         assert grads.keys() == ref_grads.keys()

@@ -1,11 +1,13 @@
 """Balancers through the real entry point (issues #9, #10): FasterMoE shadowing and Pro-Prophet's
 planner (with and without its block-wise scheduler, which prefetches Trans across layers) train
 exactly like no balancer while they replicate experts, and a run that needs a hardware profile
-without one calibrates it at start-up (then reuses the cached one)."""
+without one calibrates it at start-up (then reuses the cached one). Two runs also recompute
+activations (`training.recompute`, issue #16): full recomputation with Pro-Prophet's scheduler,
+whose plans move between a forward and its recomputation, and selective with FasterMoE."""
 import pytest
 
 from megatron_moe.perf.hardware import BALANCER_OPS, PARM_OPS, load_profile
-from tests.e2e.test_train_cli import INVARIANCE, train
+from tests.e2e.test_train_cli import INVARIANCE, reference, train  # noqa: F401 (the shared 1-process run)
 
 pytestmark = pytest.mark.e2e
 TEN = INVARIANCE + ["training.train_iters=10"]
@@ -20,11 +22,17 @@ def _same_curve(got, ref, rel):
     assert ref[-1]["loss"] < ref[0]["loss"]  # it trained
 
 
-def test_fastermoe_trains_like_no_balancer_and_calibrates_once(tmp_path):
+@pytest.fixture(scope="module")
+def none(tmp_path_factory):
+    """10 iterations on expert=2 without a balancer."""
+    records, _ = train(2, TEN + ["parallel.expert=2"], tmp_path_factory.mktemp("none"))
+    return records
+
+
+def test_fastermoe_trains_like_no_balancer_and_calibrates_once(none, tmp_path):
     cache = [f"perf.calibration_cache={tmp_path / 'profiles'}"]
     ep2 = ["parallel.expert=2"]
-    none, _ = train(2, TEN + ep2, tmp_path / "none")
-    shadow, stdout = train(2, TEN + ep2 + SHADOW + cache, tmp_path / "fastermoe")
+    shadow, stdout = train(2, TEN + ep2 + SHADOW + cache + ["training.recompute=selective"], tmp_path / "fastermoe")
     _same_curve(shadow, none, rel=1e-5)
     for r in shadow:
         assert all(n >= 1.0 for n in r["moe_replicas"])  # >= 1 shadow (on the other EP rank) per layer and forward
@@ -38,9 +46,8 @@ def test_fastermoe_trains_like_no_balancer_and_calibrates_once(tmp_path):
     assert "reused from the cache" in again and "calibrated in" not in again
 
 
-def test_auto_and_fastermoe_without_a_profile_match_one_process(tmp_path):
+def test_auto_and_fastermoe_without_a_profile_match_one_process(reference, tmp_path):  # noqa: F811 (fixture)
     """Review #15 item 3 / #9 item 3: moe.schedule=auto without perf.hardware_profile runs."""
-    reference, _ = train(1, INVARIANCE, tmp_path / "ref")
     got, stdout = train(4, INVARIANCE + ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",
                                          f"perf.calibration_cache={tmp_path / 'profiles'}"] + SHADOW,
                         tmp_path / "auto")
@@ -53,16 +60,17 @@ def test_auto_and_fastermoe_without_a_profile_match_one_process(tmp_path):
     assert all(set(c) <= {"s1", "s2"} for r in got for c in r["moe_schedule"])
 
 
-def test_proprophet_trains_like_no_balancer(tmp_path):
+def test_proprophet_trains_like_no_balancer(none, tmp_path):
     """2 MoE layers, expert=2, planner alone and with its scheduler (one reference run): from the
     second forward on, the plan comes from the forward before (locality) and, with overlap, layer
-    2's Trans is issued during layer 1 in two sub-transfers."""
+    2's Trans is issued during layer 1 in two sub-transfers. The scheduler's run also recomputes
+    every layer in backward (training.recompute=full): the MoE layers replay their placements."""
     ep2 = ["parallel.expert=2"]
-    none, _ = train(2, TEN + ep2, tmp_path / "none")
     for overlap in ("false", "true"):
-        planned, _ = train(2, TEN + ep2 + ["moe.balancer=proprophet", "moe.proprophet.min_replicas=1",
-                                          f"moe.proprophet.overlap={overlap}",
-                                          f"perf.calibration_cache={tmp_path / 'profiles'}"],
+        recompute = ["training.recompute=full"] if overlap == "true" else []
+        planned, _ = train(2, TEN + ep2 + recompute + ["moe.balancer=proprophet", "moe.proprophet.min_replicas=1",
+                                                      f"moe.proprophet.overlap={overlap}",
+                                                      f"perf.calibration_cache={tmp_path / 'profiles'}"],
                            tmp_path / f"proprophet-{overlap}")
         _same_curve(planned, none, rel=1e-5)
         for r in planned:

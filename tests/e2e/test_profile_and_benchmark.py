@@ -165,6 +165,21 @@ def test_train_throughput_runs_the_same_model_as_hugging_face():
     assert out["step_ms"]["ours"] > 0 and out["step_ms"]["hf"] > 0 and out["matmul_floor_ms"] > 0
 
 
+def test_recompute_benchmark_keeps_the_loss(one_thread):
+    """benchmarks/recompute.py (issue #16): each level's step (run here in this process: the
+    benchmark gives each its own process only so that peaks do not mix) has the plain step's loss
+    and grad norm, and a step time and peak."""
+    spec = importlib.util.spec_from_file_location("recompute_benchmark", "benchmarks/recompute.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = ["model.num_layers=1", "model.seq_length=64", "model.dropout=0.1", "--steps", "1"]
+    runs = {level: bench.run_level(bench.parse_args(shape + ["--level", level])) for level in bench.LEVELS}
+    for level, run in runs.items():
+        assert run["loss"] == runs["none"]["loss"] and run["grad_norm"] == pytest.approx(runs["none"]["grad_norm"],
+                                                                                           rel=1e-6), level
+        assert run["step_ms"] > 0 and run["peak_rss_mb"] > 0
+
+
 def test_expert_scaling_sweeps_the_number_of_experts(tmp_path):
     """benchmarks/expert_scaling.py (issue #16): one training run per E, the same tokens, the step
     split into forward / backward / optimizer, expert parameters growing with E."""

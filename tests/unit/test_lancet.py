@@ -15,6 +15,7 @@ from megatron_moe.moe.lancet import WGradScheduler, deferred_grouped_mm, deferre
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
                                                 pipeline_time, segment_time)
+from tests.tiny_model import assert_same_steps, tiny_model_steps
 
 
 def test_deferred_linear_matches_autograd_and_defers_until_backward_ends():
@@ -157,48 +158,14 @@ def test_fixed_partition_ranges_do_not_overlap():
     assert [(s.start, s.end, s.moe) for s in fixed_partitioning(is_moe, 4, 2)] == [(1, 6, 3), (6, 8, 7)]
 
 
-def _model_run(overrides, bert=False):
-    """Loss, aux, every gradient and drops of one forward + backward of a tiny model with dropout
-    0.1 and capacity drops, on one process."""
-    from megatron_moe.distributed.parallel_state import ParallelState
-    from megatron_moe.model.bert import BertMoEModel
-    from megatron_moe.model.gpt import GPTMoEModel
-
-    base = ["model.seq_length=12", "model.vocab_size=300", "training.micro_batch_size=4", "model.dropout=0.1",
-            "moe.capacity_factor=1.0", "moe.num_experts=4"]
-    cfg = load_config("configs/bert_moe_tiny.yaml" if bert else "configs/gpt_moe_tiny.yaml", base + overrides)
-    validate_config(cfg, 1)
-    model = (BertMoEModel if bert else GPTMoEModel)(cfg, ParallelState.single_process())
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (4, 12), generator=gen)
-    if bert:
-        pad = torch.ones(4, 12)
-        pad[1, 8:] = 0
-        pad[3, 5:] = 0
-        out = model(tokens, torch.zeros_like(tokens), pad, tokens, pad, torch.tensor([0, 1, 1, 0]))
-        loss = out.lm_loss + out.binary_loss + out.aux_loss
-    else:
-        out = model(tokens, tokens)
-        loss = out.lm_loss + out.aux_loss
-    loss.backward()
-    return (float(out.lm_loss.detach()), float(out.aux_loss.detach()), {n: p.grad for n, p in model.named_parameters()},
-            [s.dropped for s in out.moe_stats], [s.tokens_per_expert for s in out.moe_stats])
-
-
 @pytest.mark.parametrize("bert", [False, True], ids=["gpt", "bert"])
 def test_partitioned_forward_is_exact_with_dropout_and_drops(bert):
-    loss, aux, grads, dropped, counts = _model_run([], bert)
-    assert sum(dropped) > 0
+    plain = tiny_model_steps([], bert)
+    assert sum(plain[0].dropped) > 0
     for parts, reach, defer in [(2, "1", False), (4, "0", True), (3, "3", False), (4, "auto", False)]:
-        label = f"partitions={parts} range={reach} defer_wgrad={defer}"
-        got = _model_run([f"moe.lancet.partitions={parts}", f"moe.lancet.partition_range={reach}",
-                          f"moe.lancet.defer_wgrad={str(defer).lower()}"], bert)
-        assert got[0] == pytest.approx(loss, rel=1e-6) and got[1] == pytest.approx(aux, rel=1e-6), label
-        assert got[3] == dropped, label
-        for a, b in zip(got[4], counts):
-            assert torch.equal(a, b), label
-        for name, grad in grads.items():
-            torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{label} {name}: {m}")
+        got = tiny_model_steps([f"moe.lancet.partitions={parts}", f"moe.lancet.partition_range={reach}",
+                                f"moe.lancet.defer_wgrad={str(defer).lower()}"], bert)
+        assert_same_steps(got, plain, f"partitions={parts} range={reach} defer_wgrad={defer}")
 
 
 @pytest.mark.parametrize("overrides,match", [
