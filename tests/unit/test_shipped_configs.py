@@ -26,6 +26,7 @@ def test_paper_models_have_the_published_shapes():
         "flexmoe_bert_moe_s": (12, 768, 3072, 32), "flexmoe_bert_moe_l": (24, 1024, 4096, 64),
         "fastermoe_moe_bert_deep": (24, 1024, 2048, 16), "fastermoe_moe_bert_wide": (12, 1024, 2048, 64),
         "parm_bert_base_moe_a": (12, 768, 3072, 2), "parm_bert_base_moe_b": (12, 768, 3072, 8),
+        "lancet_gpt2_s_moe": (12, 768, 3072, 32), "lancet_gpt2_l_moe": (24, 1024, 4096, 32),
     }
     for name, (layers, hidden, ffn, experts) in cases.items():
         cfg = load_config(f"configs/papers/{name}.yaml")
