@@ -63,6 +63,12 @@ def op_names(layers) -> List[str]:
     return [name for i, layer in enumerate(layers) for name in (f"attention {i}", f"{'moe' if layer.is_moe else 'ffn'} {i}")]
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued kernels, so that a host timer measures them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _run_op(layers, op: int, x: torch.Tensor, padding_mask, aux_losses: Optional[list] = None) -> torch.Tensor:
     """Sublayer `op` (2 i: layer i's attention, 2 i + 1: its FFN) on x [b, s, h]."""
     layer = layers[op // 2]
@@ -174,7 +180,7 @@ class ForwardPartitioner:
         Runs without autograd and dropout, and leaves the communication counters as they were."""
         max_parts = min(self.max_parts, x.shape[0])
         names = op_names(layers)
-        times = torch.zeros(len(names), max_parts, 3, dtype=torch.float64)  # [op, k-1, (compute, a2a, 0)]
+        times = torch.zeros(len(names), max_parts, 2, dtype=torch.float64)  # [op, k-1, (compute, a2a)]
         saved_stats = copy.deepcopy(C.COMM_STATS.__dict__)
         training = [layer.training for layer in layers]
         for layer in layers:
@@ -189,15 +195,17 @@ class ForwardPartitioner:
                         best = None
                         for _ in range(repeats):
                             before = C.COMM_STATS.seconds_by_phase(A2A_KINDS)["total"]["forward"]
+                            _synchronize(x.device)
                             start = time.perf_counter()
                             out = _run_op(layers, op, h, mask)
+                            _synchronize(x.device)
                             seconds = time.perf_counter() - start
                             a2a = C.COMM_STATS.seconds_by_phase(A2A_KINDS)["total"]["forward"] - before
                             if best is None or seconds < best[0] + best[1]:
                                 best = (max(seconds - a2a, 0.0), a2a)
-                        times[op, k - 1, :2] = torch.tensor(best, dtype=torch.float64)
+                        times[op, k - 1] = torch.tensor(best, dtype=torch.float64)
                         h = out
-            C.all_reduce(times, self.state.world, op="max", kind=PLAN_KIND)
+            times = C.all_reduce(times.to(x.device), self.state.world, op="max", kind=PLAN_KIND).cpu()  # NCCL: on the GPU
         finally:
             for layer, was_training in zip(layers, training):
                 layer.train(was_training)
