@@ -32,6 +32,7 @@ their backward communication too.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import defaultdict
@@ -84,6 +85,16 @@ class CommStats:
 
     def snapshot(self) -> Dict[str, int]:
         return dict(self.bytes)
+
+    @contextmanager
+    def unrecorded(self):
+        """Communication inside leaves every counter as it was (measurement passes, e.g. Lancet's
+        op profiling, that are not part of any iteration)."""
+        saved = copy.deepcopy(self.__dict__)
+        try:
+            yield
+        finally:
+            self.__dict__.update(saved)
 
     def total_seconds(self) -> float:
         return sum(self.seconds.values())

@@ -12,6 +12,8 @@ Both are exact: the recomputed forward is the original one.
 * MoE: inside a recomputation (`is_recomputing()`), an MoE layer reuses the placements its
   balancer planned in the original forward (a balancer's state may have moved since: Pro-Prophet
   re-plans in `observe`), and does not teach the balancer, prefetch, or overwrite its statistics.
+  Its replicas come by one Trans even where the original forward's was prefetched in two parts:
+  the same weights, and neither path keeps tensors for backward that the other does not.
 * torch.utils.checkpoint's early stop is off: a recomputation always runs to the end, so no
   collective of it is left half-issued.
 """
@@ -26,7 +28,6 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megatron_moe.tensor_parallel.random import REGIONS
 
-LEVELS = ("none", "selective", "full")
 _state = threading.local()
 
 

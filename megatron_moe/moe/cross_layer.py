@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from megatron_moe.distributed.collectives import TimeSink
 from megatron_moe.moe.replicas import ReplicaWeights, start_trans
@@ -45,7 +44,6 @@ class Prefetched:
 
     replicas: Tuple[Tuple[int, ...], ...]
     parts: List[Optional[ReplicaWeights]]
-    pieces: List[Tuple[Tuple[int, ...], ...]]  # what each part's Trans moves (start_trans's `replicas`)
 
 
 def _replicas_of(selections, num_experts: int, ep_size: int) -> Tuple[Tuple[int, ...], ...]:
@@ -87,9 +85,7 @@ def before_experts(layer, tokens_per_ep_rank) -> None:
     cut = split_trans(selections, model, nxt.balancer.ep_size, budget)
     first = _replicas_of(selections[:cut], nxt.balancer.num_experts, nxt.balancer.ep_size)
     nxt.replica_times = TimeSink()  # the next layer's forward starts here
-    with _for_the_next_layer():
-        nxt.prefetched = Prefetched(replicas, [start_trans(nxt.experts, first, nxt.state, nxt.replica_times)],
-                                    [first])
+    nxt.prefetched = Prefetched(replicas, [start_trans(nxt.experts, first, nxt.state, nxt.replica_times)])
     nxt.prefetched_rest = selections[cut:]
 
 
@@ -99,28 +95,16 @@ def after_layer(layer) -> None:
     if nxt is None or nxt.prefetched is None or nxt.prefetched_rest is None:
         return
     rest = _replicas_of(nxt.prefetched_rest, nxt.balancer.num_experts, nxt.balancer.ep_size)
-    with _for_the_next_layer():
-        nxt.prefetched.parts.append(start_trans(nxt.experts, rest, nxt.state, nxt.replica_times))
-        nxt.prefetched.pieces.append(rest)
+    nxt.prefetched.parts.append(start_trans(nxt.experts, rest, nxt.state, nxt.replica_times))
     nxt.prefetched_rest = None
-
-
-def _for_the_next_layer():
-    """Autograd saves what a prefetch records as usual: the next layer's backward uses it, and
-    under `training.recompute=full` this layer's recomputation (which would restore it) comes
-    later in backward than the next layer's."""
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
 def take_prefetched(layer, replicas: Tuple[Tuple[int, ...], ...]) -> Optional[ReplicaWeights]:
     """The replica weights the block before issued for `replicas` (None if it issued none).
-    Every rank of the group planned the same replicas, so a mismatch is a bug, not a miss.
-    Sets `layer.trans_pieces`: what each Trans of this forward moves (a recomputation repeats them)."""
+    Every rank of the group planned the same replicas, so a mismatch is a bug, not a miss."""
     prefetched, layer.prefetched, layer.prefetched_rest = layer.prefetched, None, None
-    layer.trans_pieces = [replicas]
     if prefetched is None:
         return None
-    layer.trans_pieces = prefetched.pieces
     if prefetched.replicas != replicas:
         raise RuntimeError(f"MoE layer {layer.layer_index}: Trans was prefetched for replicas {prefetched.replicas} "
                            f"but the placement has {replicas}")

@@ -37,7 +37,6 @@ dropout, nothing recorded), takes the maximum over ranks, and runs §5.1's dynam
 """
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable, List, Optional
 
@@ -46,16 +45,12 @@ import torch
 from megatron_moe.distributed import collectives as C
 from megatron_moe.moe.router import GatePartition
 from megatron_moe.moe.schedules import A2A_KINDS
+from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning,
                                                 fixed_partitioning, segment_time)
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)
-
-
-def even_sizes(rows: int, parts: int) -> List[int]:
-    """`rows` split into `parts` contiguous sizes differing by at most one (earlier parts larger)."""
-    return [rows // parts + (1 if q < rows % parts else 0) for q in range(parts)]
 
 
 def op_names(layers) -> List[str]:
@@ -85,10 +80,9 @@ class ForwardPartitioner:
 
     def __init__(self, state, rng, layers, max_parts: int, partition_range: str):
         self.state, self.rng, self.max_parts = state, rng, max_parts
-        self.auto = partition_range == "auto"
         is_moe = [op % 2 == 1 and layers[op // 2].is_moe for op in range(2 * len(layers))]
-        self.segments: Optional[List[Segment]] = None if self.auto else fixed_partitioning(
-            is_moe, max_parts, int(partition_range))
+        self.segments: Optional[List[Segment]] = None if partition_range == "auto" else fixed_partitioning(
+            is_moe, max_parts, int(partition_range))  # auto: planned on the first forward
         self.prediction: Optional[dict] = None  # auto: the dynamic program's predicted seconds
 
     # -- the forward ------------------------------------------------------------------------------
@@ -110,7 +104,7 @@ class ForwardPartitioner:
 
     def _pipelined(self, layers, segment: Segment, x: torch.Tensor, padding_mask, aux_losses: list) -> torch.Tensor:
         parts = min(segment.parts, x.shape[0])
-        sizes = even_sizes(x.shape[0], parts)
+        sizes = even_split(x.shape[0], parts)
         xs = list(x.split(sizes))  # [b_q, s, h] per part
         masks = list(padding_mask.split(sizes)) if padding_mask is not None else [None] * parts
         owner = layers[segment.moe // 2]
@@ -181,14 +175,13 @@ class ForwardPartitioner:
         max_parts = min(self.max_parts, x.shape[0])
         names = op_names(layers)
         times = torch.zeros(len(names), max_parts, 2, dtype=torch.float64)  # [op, k-1, (compute, a2a)]
-        saved_stats = copy.deepcopy(C.COMM_STATS.__dict__)
         training = [layer.training for layer in layers]
         for layer in layers:
             layer.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), C.COMM_STATS.unrecorded():
                 for k in range(1, max_parts + 1):
-                    rows = even_sizes(x.shape[0], k)[0]
+                    rows = even_split(x.shape[0], k)[0]
                     h = x[:rows]
                     mask = padding_mask[:rows] if padding_mask is not None else None
                     for op in range(len(names)):
@@ -205,11 +198,11 @@ class ForwardPartitioner:
                                 best = (max(seconds - a2a, 0.0), a2a)
                         times[op, k - 1] = torch.tensor(best, dtype=torch.float64)
                         h = out
-            times = C.all_reduce(times.to(x.device), self.state.world, op="max", kind=PLAN_KIND).cpu()  # NCCL: on the GPU
+                # the maximum over ranks (NCCL: on the GPU), so every rank plans the same segments
+                times = C.all_reduce(times.to(x.device), self.state.world, op="max", kind=PLAN_KIND).cpu()
         finally:
             for layer, was_training in zip(layers, training):
                 layer.train(was_training)
-            C.COMM_STATS.__dict__.update(saved_stats)
         instructions = []
         for op, name in enumerate(names):
             per_k = {k: float(times[op, k - 1, 0]) for k in range(1, max_parts + 1)}

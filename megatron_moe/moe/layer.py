@@ -36,7 +36,7 @@ from megatron_moe.moe import cross_layer
 from megatron_moe.model.recompute import is_recomputing
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
-from megatron_moe.moe.replicas import ReplicaWeights, fetch_replicas, start_trans
+from megatron_moe.moe.replicas import fetch_replicas
 from megatron_moe.moe.router import GATES
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import RunHooks
@@ -62,7 +62,6 @@ class MoELayer(torch.nn.Module):
         # micro-batch's batch parts through this layer, a later part (index > 0) keeps the times
         self.part_index: Optional[int] = None
         self.planned: list = []  # the placements of the latest forward (replayed by a recomputation)
-        self.trans_pieces: list = []  # what each Trans of the latest forward moved (cross_layer.take_prefetched)
 
     def forward(self, x: torch.Tensor, while_dispatching: Optional[Callable[[], None]] = None,
                 while_combining: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +102,7 @@ class MoELayer(torch.nn.Module):
         """This layer's forward run again in backward (model/recompute.py): the placements the
         original forward planned (the balancer may have moved on), no observe, no prefetch, no stats."""
         placement = self.schedule.place(routed, _PlanReplay(self.planned))
-        if len(self.trans_pieces) > 1:  # the block before had split Trans in two (Pro-Prophet's scheduler)
-            replicas = ReplicaWeights.joined([start_trans(self.experts, piece, self.state, C.TimeSink())
-                                              for piece in self.trans_pieces])
-        else:
-            replicas = fetch_replicas(self.experts, placement, self.state, C.TimeSink())
+        replicas = fetch_replicas(self.experts, placement, self.state, C.TimeSink())
         y = self.schedule.run(routed, placement, self.experts, replicas)
         return y.to(dtype).view(b, s, h), routed.routing.aux_loss
 

@@ -16,12 +16,13 @@ P(i, n, k) for a partitionable segment is the end of a simulated timeline (§5.3
 instruction starts at the latest of the end of what it depends on and the end of the previous
 instruction of its kind, compute or communication), in the order the eager pipeline issues them:
 
-    A_0; for q = 0..k-1: [X_q^gate] D_q (A_{q+1} while D_q is in flight) X_q C_q (B_{q-1} while C_q is in flight); B_{k-1}
+    A_0; for q = 0..k-1: D_q (A_{q+1} while D_q is in flight) X_q C_q (B_{q-1} while C_q is in flight); B_{k-1}
 
 with A = the segment's instructions before the MoE FFN (one part), D / C = the dispatch / combine
-all-to-all of one part, X = the layer's compute for one part, B = the instructions after it.
-Op times per part come from measurement (`moe/lancet_partition.py` profiles them); an all-to-all
-of a part takes, as in Lancet §3, the cost of the whole all-to-all at 1/k of its size.
+all-to-all of one part, X = the MoE layer's compute for one part (norm, gate, experts), B = the
+instructions after it. Op times per part come from measurement at the part's size
+(`moe/lancet_partition.py` profiles every sublayer at 1..k parts, the MoE FFN's all-to-alls
+included), where Lancet's cost model (§3) queries the whole all-to-all's profile at C/k.
 """
 from __future__ import annotations
 

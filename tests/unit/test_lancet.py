@@ -177,3 +177,21 @@ def test_partitioned_forward_is_exact_with_dropout_and_drops(bert):
 def test_partition_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         validate_config(load_config("configs/gpt_moe_tiny.yaml", overrides), 1)
+
+
+def test_op_profiling_leaves_the_communication_counters_alone():
+    """`auto`'s measurement pass runs under `CommStats.unrecorded`: what it sends is not part of
+    the iteration's bytes and times."""
+    from types import SimpleNamespace
+
+    from megatron_moe.distributed.collectives import CommStats
+
+    stats = CommStats()
+    group = SimpleNamespace(name="ep")
+    stats.record("all_to_all", group, 100, 0.5)
+    with stats.unrecorded():
+        stats.record("all_to_all", group, 7, 0.25)
+        stats.record("lancet_plan", group, 8, 0.1)
+        assert stats.bytes_by_kind() == {"all_to_all": 107, "lancet_plan": 8}
+    assert stats.bytes_by_kind() == {"all_to_all": 100} and stats.calls == {"all_to_all/ep": 1}
+    assert stats.seconds_by_phase(["all_to_all"])["total"]["forward"] == 0.5

@@ -164,6 +164,11 @@ class Schedule(ABC):
         return self.smart_finish(smart_exchange(send, plan, compute, replicas), ctx)
 
 
+def even_split(n: int, parts: int) -> List[int]:
+    """`n` rows in `parts` contiguous sizes that differ by at most one (earlier parts larger)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
 def slots_by_expert(ids: torch.Tensor) -> torch.Tensor:
     """ids Long[n, k] (or flat) with -1 for dropped choices -> Long[m]: the kept slots
     (token * k + choice) ordered by expert, token order within an expert (stable)."""

@@ -71,7 +71,7 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums, top_k_gating
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
+from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.hardware import PARM_OPS, load_profile
 from megatron_moe.perf.parm_model import choose_schedule, dispatched_assignments
@@ -94,10 +94,6 @@ class ParmRouted(Routed):
     piece_rows: Optional[List[int]]  # S2: rows of each TP rank's piece of `slots`; S1: None
     token_sizes: Optional[List[int]]  # S1: tokens of each TP rank (its MP-AllGather); S2: None
     dropped: int  # assignments of the whole micro-batch dropped by capacity
-
-
-def _even_split(n: int, parts: int) -> List[int]:
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -362,7 +358,7 @@ def _expert_chunks(kept_ids: torch.Tensor, num_experts: int, parts: int) -> torc
 
 def _tp_piece(state: ParallelState, num_tokens: int) -> Tuple[List[int], int, int]:
     """S1's MP-Split of `num_tokens` tokens: (sizes per TP rank, this rank's start, end)."""
-    sizes = _even_split(num_tokens, state.tp_size)
+    sizes = even_split(num_tokens, state.tp_size)
     start = sum(sizes[: state.tp.rank])
     return sizes, start, start + sizes[state.tp.rank]
 
