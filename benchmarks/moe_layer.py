@@ -8,8 +8,13 @@ Rows: baseline (Parm Fig. 3(a), DeepSpeed-MoE style), s1, s2 (AAS), s2_saa, auto
 before review issue #15 item 5, S1's combine through SAA's phased point-to-point exchange instead
 of its plain all-to-all (kept to measure that fix in the same run); and `deepspeed`,
 DeepSpeed-MoE's own layer on the same gate and expert weights, whenever `deepspeed` is importable
-(`pip install deepspeed`; EP + DP layouts, gelu, no --skew; otherwise the JSON config's
-`deepspeed_row` says why it is absent; its time only, as its collectives bypass our counters). Every layer gets the same
+(`pip install deepspeed`; --expert-shard 1, gelu, no --skew; otherwise the JSON config's
+`deepspeed_row` says why it is absent; its time only, as its collectives bypass our counters).
+At --tensor > 1 DeepSpeed gets an `mpu` (`DeepSpeedMPU`) naming our tensor-parallel group, so its
+MOELayer drops the TP-duplicate tokens before the all-to-all and gathers them after, as it does
+under Megatron-DeepSpeed: closer to Parm's S2 than to the Fig. 3(a) baseline row, which is what
+its speedup is against. Before timing, a dropless run checks that its output equals the baseline
+row's (it stops otherwise). Every layer gets the same
 weights (seeded) and every data-parallel rank its own tokens. Each schedule row runs once per
 --balancer (rows named `<schedule>+<balancer>` for balancers other than none; `proprophet:overlap`
 is Pro-Prophet with its block-wise scheduler) and, with --smart,
@@ -176,18 +181,64 @@ def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> La
     return LayerStack(layers).to(device)
 
 
+class DeepSpeedMPU:
+    """The Megatron-style `mpu` DeepSpeed reads the model-parallel layout from
+    (`deepspeed.utils.groups.mpu`): tensor parallel = our `tp` group, no pipeline. With it,
+    DeepSpeed's MOELayer splits the TP-replicated tokens of each expert's capacity over the TP
+    ranks before its all-to-all and all-gathers them after (`drop_tokens` / `gather_tokens`)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.state.tp_size
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.state.tp.rank
+
+    def get_tensor_model_parallel_group(self):
+        return self.state.tp.handle
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.state.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.state.dp.rank
+
+    def get_data_parallel_group(self):
+        return self.state.dp.handle
+
+
+def _gather_tokens_for_gloo(deepspeed) -> None:
+    """DeepSpeed's `gather_tokens` all-gathers a `[b, ...]` tensor into a flat buffer, which NCCL
+    accepts and gloo refuses (it wants `[world * b, ...]`): hand gloo the same buffer so shaped."""
+    flat = deepspeed.comm.all_gather_into_tensor
+
+    def shaped(output_tensor, tensor, group=None, async_op=False, **kwargs):
+        return flat(output_tensor.view(-1, *tensor.shape[1:]), tensor, group=group, async_op=async_op, **kwargs)
+
+    deepspeed.comm.all_gather_into_tensor = shaped
+
+
 def deepspeed_row(args, baseline: MoELayer, state):
     """DeepSpeed-MoE's layer (`deepspeed.moe.layer.MoE`, GShard top-2 without sampling) on the
     baseline row's weights -> (module, None), or (None, why there is no row). Same gate and expert
     weights, so its output matches the baseline's up to float rounding when dropless (with a
-    capacity, DeepSpeed drops by location: first choices before second, so drops may differ)."""
+    capacity, DeepSpeed drops by location: first choices before second, so drops may differ).
+    Its expert-parallel groups (consecutive ranks, DeepSpeed's default without expert tensor
+    parallelism) are ours at --expert-shard 1, so its experts are ours, whole."""
     try:
         import deepspeed
         from deepspeed.moe.layer import MoE
+        from deepspeed.utils import groups
     except ImportError:
         return None, "deepspeed is not importable"
     why = [reason for reason, bad in [
-        ("tensor/expert_shard > 1 (DeepSpeed-MoE here: EP + DP only)", args.tensor * args.expert_shard > 1),
+        ("expert_shard > 1 (DeepSpeed's experts here are whole; its expert tensor parallelism would need "
+         "tensor-parallel expert modules)", args.expert_shard > 1),
         ("activation swiglu (its expert is Linear-GELU-Linear here)", args.activation != "gelu"),
         ("--skew (its gate takes no logit bias)", args.skew), ("top-k > 2", args.top_k > 2),
         ("--gate other than softmax", args.gate != "softmax"), ("--layers > 1", args.layers > 1)] if bad]
@@ -197,6 +248,10 @@ def deepspeed_row(args, baseline: MoELayer, state):
     # first use: ~50 s in a fresh environment) play no part in its MoE layer's all-to-alls
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    if state.tp_size > 1:
+        groups.mpu = DeepSpeedMPU(state)
+        if torch.distributed.get_backend() == "gloo":
+            _gather_tokens_for_gloo(deepspeed)
     h, f = args.hidden, args.ffn
     expert = torch.nn.Sequential(torch.nn.Linear(h, f), torch.nn.GELU(), torch.nn.Linear(f, h))
     dropless = args.capacity_factor is None
@@ -211,6 +266,18 @@ def deepspeed_row(args, baseline: MoELayer, state):
             fc1.weight.copy_(ours.w1[e].t()), fc2.weight.copy_(ours.w2[e].t())
             fc1.bias.copy_(ours.b1[e]), fc2.bias.copy_(ours.b2[e])
     return moe, None
+
+
+def check_deepspeed_equals_baseline(deepspeed, baseline, x, state, tolerance: float = 1e-4) -> None:
+    """Dropless: DeepSpeed's layer output must equal the baseline row's before it is timed."""
+    with torch.no_grad():
+        ours, _ = baseline(x)
+        theirs, _, _ = deepspeed(x)
+    diff = float(C.all_reduce(torch.tensor([float((ours - theirs).abs().max())], dtype=torch.float64),
+                              state.world, op="max"))
+    if not diff <= tolerance:
+        raise SystemExit(f"DeepSpeed-MoE's output differs from ours by {diff:.3g} (> {tolerance}) on a "
+                         "dropless step: the rows would not time the same layer")
 
 
 def bytes_of_kind(counters: dict, kind: str) -> int:
@@ -274,6 +341,9 @@ def main(argv=None) -> int:
             ((y * grad).sum() + aux_coeff * aux).backward()
             outputs.setdefault("deepspeed", (y.detach(), inp.grad))
             deepspeed.zero_grad(set_to_none=True)
+
+        if args.capacity_factor is None:
+            check_deepspeed_equals_baseline(deepspeed, layers["baseline"], x, state)
 
     moves = {name: [0, 0] for name in layers}  # vExpert primitives, bytes sent (this rank) over the run
 

@@ -13,8 +13,9 @@ step's losses are compared (`loss_diff`: the models compute the same function, s
 rounding plus the aux loss, which only ours adds: both losses below are the language-model loss).
 
 A step is zero_grad, forward, backward (LM loss + ours: its aux loss), optimizer step. Steps
-alternate (ours, HF, ours, ...), --warmup of each first; reported: median step ms, tokens/s and
-the ratio ours / HF; parameter counts of both (they must be equal); and `matmul_floor_ms`: the
+alternate (ours, ours with `training.compile=true`, HF, ours, ...), --warmup of each first;
+reported: median step ms, tokens/s and the ratios to HF and of compiled to eager (the first
+compiled step, which compiles, is reported apart as `compile_first_step_s`); parameter counts of both (they must be equal); and `matmul_floor_ms`: the
 time of the step's matrix multiplies alone (every forward GEMM of the model at its shapes, experts
 with the rows the first step routed to each, plus the two backward GEMMs of each), as plain
 `torch.mm` / `torch.bmm` calls. Prints one JSON object.
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, SHAPE + list(args.overrides))
     torch.manual_seed(args.seed)
     ours, ours_opt = build_ours(cfg)
+    compiled, compiled_opt = build_ours(load_config(args.config, SHAPE + list(args.overrides) + ["training.compile=true"]))
     hf, hf_opt = build_hf(cfg, ours)
     count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
     if count(ours) != count(hf):
@@ -140,11 +142,16 @@ def main(argv=None) -> int:
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(args.seed))
     tokens, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     first = {"ours": step_ours(ours, ours_opt, tokens, labels), "hf": step_hf(hf, hf_opt, tokens, labels)}
+    start = time.perf_counter()
+    first["ours_compiled"] = step_ours(compiled, compiled_opt, tokens, labels)
+    compile_seconds = time.perf_counter() - start
     rows_per_expert = [int(r) for r in sum(st.tokens_per_expert for st in
                                            (layer.ffn.last_stats for layer in ours.layers)) // cfg.model.num_layers]
-    times = {"ours": [], "hf": []}
+    sides = {"ours": (ours, ours_opt, step_ours), "ours_compiled": (compiled, compiled_opt, step_ours),
+             "hf": (hf, hf_opt, step_hf)}
+    times = {side: [] for side in sides}
     for i in range(args.warmup + args.steps):
-        for side, (model, opt, step) in {"ours": (ours, ours_opt, step_ours), "hf": (hf, hf_opt, step_hf)}.items():
+        for side, (model, opt, step) in sides.items():
             start = time.perf_counter()
             step(model, opt, tokens, labels)
             if i >= args.warmup:
@@ -157,9 +164,13 @@ def main(argv=None) -> int:
                    "torch": torch.__version__, "transformers": transformers.__version__},
         "parameters": {"ours": count(ours), "hf": count(hf)},
         "first_step_lm_loss": first, "loss_diff": abs(first["ours"] - first["hf"]),
+        "compiled_loss_diff": abs(first["ours"] - first["ours_compiled"]),
         "step_ms": {k: round(v, 1) for k, v in ms.items()},
         "tokens_per_sec": {k: round(b * s / v * 1e3, 1) for k, v in ms.items()},
         "ours_vs_hf": round(ms["hf"] / ms["ours"], 3),
+        "ours_compiled_vs_hf": round(ms["hf"] / ms["ours_compiled"], 3),
+        "compiled_vs_eager": round(ms["ours"] / ms["ours_compiled"], 3),
+        "compile_first_step_s": round(compile_seconds, 1),
         "matmul_floor_ms": round(floor, 1), "ours_vs_floor": round(ms["ours"] / floor, 3)}))
     return 0
 

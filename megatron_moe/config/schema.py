@@ -123,6 +123,7 @@ class TrainingConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights, fp32 router softmax)
     on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
     recompute: str = "none"  # activation recomputation: none | selective (core attention) | full (every layer)
+    compile: bool = False  # torch.compile (TorchInductor) each layer's dense compute (model/compile.py)
     inject_nan_at: int = 0  # TEST ONLY: make rank 0's loss NaN at this iteration (0 = never)
 
 

@@ -25,6 +25,7 @@ from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import ParamMeta, init_model_from_seed_, make_param
+from megatron_moe.model.compile import compile_layers
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
 from megatron_moe.moe import lancet, lancet_partition
 from megatron_moe.tensor_parallel import DropoutRNG, copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
@@ -65,6 +66,8 @@ class BertMoEModel(torch.nn.Module):
             self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
         init_model_from_seed_(self, cfg.training.seed, state)
         lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
+        if cfg.training.compile:
+            compile_layers(self.layers)
         self.partitioner = lancet_partition.from_config(cfg, state, self.dropout_rng, self.layers)  # moe.lancet.partitions
 
     def moe_layers(self) -> List[torch.nn.Module]:

@@ -18,6 +18,7 @@ from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.model.compile import compile_layers
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
 from megatron_moe.moe import lancet, lancet_partition
 from megatron_moe.tensor_parallel import (ColumnParallelLinear, DropoutRNG, copy_to_tp_region, gather_from_tp_region,
@@ -40,6 +41,8 @@ class GPTMoEModel(torch.nn.Module):
                                                bias=False, std=m.init_std, valid_rows=m.vocab_size)
         init_model_from_seed_(self, cfg.training.seed, state)
         lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
+        if cfg.training.compile:
+            compile_layers(self.layers)
         self.partitioner = lancet_partition.from_config(cfg, state, self.dropout_rng, self.layers)  # moe.lancet.partitions
 
     def moe_layers(self) -> List[torch.nn.Module]:

@@ -85,6 +85,7 @@ class Experts(torch.nn.Module):
         m, num_experts = cfg.model, cfg.moe.num_experts
         units = ffn_units_shape(expert_ffn_hidden_size(cfg), m.activation)  # (f,) or (2, f)
         self.activation = m.activation
+        self.activation_fn = ffn_activation  # training.compile: a compiled one (model/compile.py)
         self.num_experts, self.num_local = num_experts, num_experts // state.ep_size
         self.ep_rank, self.first_expert = state.ep.rank, state.ep.rank * self.num_local
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
@@ -175,7 +176,7 @@ class Experts(torch.nn.Module):
         if b1 is not None:
             hidden = hidden + b1.reshape(experts, math.prod(b1.shape[1:])).repeat_interleave(
                 rows, dim=0, output_size=x.shape[0])
-        out = project(ffn_activation(hidden, self.activation), w2, self.w2)  # [m, h] partial over FFN units
+        out = project(self.activation_fn(hidden, self.activation), w2, self.w2)  # [m, h] partial over FFN units
         if b2 is not None:
             bias = b2.repeat_interleave(rows, dim=0, output_size=x.shape[0])  # [m, h/esp]
             before = self.esp_rank * bias.shape[1]

@@ -111,11 +111,11 @@ def reference(tmp_path_factory):
     (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
     (8, ["parallel.expert=4", "parallel.expert_shard=2"]),
     # Parm schedules (moe/schedules/parm.py)
-    (2, ["parallel.tensor=2", "moe.schedule=s1"]),
+    (2, ["parallel.tensor=2", "moe.schedule=s1", "training.compile=true"]),  # + TorchInductor (model/compile.py)
     # (s2 + SAA end to end: tests/e2e/test_vexperts.py, tp2-ep2-esp2, 20 iterations)
     (4, ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",
          "perf.hardware_profile=configs/hardware/parm_testbed_b.yaml"]),
-], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2", "tp2-s1", "tp2-ep2-auto"])
+], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2", "tp2-s1-compile", "tp2-ep2-auto"])
 def test_layout_invariance(reference, nproc, layout, tmp_path):
     records, _ = train(nproc, INVARIANCE + layout, tmp_path)
     assert [r["iteration"] for r in records] == [r["iteration"] for r in reference] == [1, 2, 3, 4]
