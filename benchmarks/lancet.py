@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                   f" / {r['a2a_total_ms_forward']:.2f} ms, backward {r['a2a_exposed_ms_backward']:.2f} / "
                   f"{r['a2a_total_ms_backward']:.2f} ms", flush=True)
         print(json.dumps({"config": dict(vars(args), world_size=state.world_size), "results": results}), flush=True)
-    C.destroy_process_group()
+    C.destroy_process_group(state)
     return 0
 
 

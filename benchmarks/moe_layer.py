@@ -396,7 +396,7 @@ def main(argv=None) -> int:
         if deepspeed_skipped:
             print(f"no deepspeed row: {deepspeed_skipped}", flush=True)
         print(json.dumps({"config": config, "results": results}), flush=True)
-    C.destroy_process_group()
+    C.destroy_process_group(state)
     return 0
 
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             say(f"{op:16s} alpha {f.alpha:.3e} s  beta {f.beta:.3e} s/{unit}  R^2 {f.r2 if f.r2 is not None else '-'}")
         save_profile(profile, args.out)
         say(f"wrote {args.out}")
-    C.destroy_process_group()
+    C.destroy_process_group(state)
     return 0
 
 

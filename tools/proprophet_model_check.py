@@ -194,7 +194,7 @@ def main(argv=None) -> int:
                           "profile_fit": {op: {"alpha": getattr(profile, op).alpha, "beta": getattr(profile, op).beta}
                                           for op in PROPROPHET_OPS},
                           "cases": cases, **summary}))
-    C.destroy_process_group()
+    C.destroy_process_group(state)
     return 0
 
 

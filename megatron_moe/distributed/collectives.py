@@ -33,6 +33,7 @@ their backward communication too.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import time
 from collections import defaultdict
@@ -181,9 +182,22 @@ def init_process_group(backend: str, rank: int, world_size: int, init_method: st
                             timeout=timedelta(seconds=timeout_s))
 
 
-def destroy_process_group() -> None:
+def destroy_process_group(state=None) -> None:
+    """Destroy every process group and join gloo's worker threads before the interpreter exits.
+
+    A gloo worker thread releases the tensors of an op it ran after the caller has already
+    returned, and releasing them takes the GIL. If the interpreter is finalizing by then, that
+    thread is unwound inside a destructor: "terminate called without an active exception", SIGABRT,
+    after a run that otherwise succeeded. A group's threads are joined (without the GIL) when its
+    last Python reference goes, so drop the handles `state` (a ParallelState) holds and collect.
+    Call it on every rank at the end of a run; a barrier before it is the caller's business (it
+    would hang on an error path where another rank is gone)."""
     if is_initialized():
         dist.destroy_process_group()
+    if state is not None:
+        for group in state.groups.values():
+            group.handle = None
+    gc.collect()
 
 
 def new_group(ranks: Sequence[int]):

@@ -61,6 +61,7 @@ def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> 
     """Create the process groups for a validated `cfg` and train."""
     par = cfg.parallel
     info = launch.initialize(par.backend, par.timeout_s)
+    state = None
     try:
         layout = RankLayout(world_size=info.world_size, tensor=par.tensor, pipeline=par.pipeline,
                             expert=par.expert, expert_shard=par.expert_shard,
@@ -69,4 +70,4 @@ def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> 
         Trainer(cfg, state, model_cls, datasets).train()
         collectives.barrier(state.world)  # no rank tears its connections down while another still uses them
     finally:
-        collectives.destroy_process_group()
+        collectives.destroy_process_group(state)

@@ -25,6 +25,7 @@ from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 
 def _worker(rank, world_size, init_file, fn, layout_kwargs, args, results):
     torch.set_num_threads(1)
+    state = None
     try:
         collectives.init_process_group("gloo", rank, world_size, init_method=f"file://{init_file}",
                                        timeout_s=120)
@@ -38,7 +39,7 @@ def _worker(rank, world_size, init_file, fn, layout_kwargs, args, results):
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        collectives.destroy_process_group()
+        collectives.destroy_process_group(state)
 
 
 def run_distributed(world_size: int, fn: Callable, layout_kwargs: Optional[Dict[str, int]] = None,
