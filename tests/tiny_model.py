@@ -19,7 +19,7 @@ class Step:
     grads: Dict[str, torch.Tensor]
     dropped: List[int]  # per MoE layer
     tokens_per_expert: List[torch.Tensor]  # per MoE layer
-    saved_bytes: int  # what autograd kept for backward (outside recomputed regions)
+    saved_bytes: int  # activations autograd kept for backward (outside recomputed regions; parameters not counted)
 
 
 def tiny_model_steps(overrides, bert: bool = False, steps: int = 1) -> List[Step]:
@@ -40,8 +40,9 @@ def tiny_model_steps(overrides, bert: bool = False, steps: int = 1) -> List[Step
         model.zero_grad(set_to_none=True)
         saved = [0]
 
-        def pack(t):
-            saved[0] += t.numel() * t.element_size()
+        def pack(t):  # activations only: a saved parameter costs no memory of its own
+            if not isinstance(t, torch.nn.Parameter):
+                saved[0] += t.numel() * t.element_size()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

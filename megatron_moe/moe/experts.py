@@ -19,8 +19,10 @@ contains b2 exactly once and b2's gradient needs no extra synchronization.
 Compute: the batch holds every owned expert's rows (ascending), then the rows of the replicas the
 placement gave this rank (`Placement.experts_on`). Owned experts run through the parameter
 stacks themselves, replicas through the weights *Trans* moved in (`moe/replicas.py`), each as one
-grouped GEMM per projection (`moe/grouped_gemm.py`): no per-expert indexing of the stacks, so
-the cost does not grow with the number of experts at a fixed amount of work.
+grouped GEMM per projection (`moe/grouped_gemm.py`): no per-expert indexing of the stacks. The
+owned w1 / w2 go through `grouped_mm_into_grad`, which adds their weight gradient (times
+`grad_scale`, the schedule's redundancy correction) straight into the held rows of `.grad`
+instead of through autograd: no `[E, ...]` gradient is allocated and added per micro-batch.
 
 vExpert slots (`slots_per_rank`, FlexMoE / EPLB, `moe/vexperts.py`): the local stacks are
 [V, ...] slots instead of [E/ep, ...] owned experts; `slot_table` says which expert each holds,
@@ -28,9 +30,8 @@ the held experts are computed with their first slot (one `index_select` per stac
 not all slots in order), and the parameters carry `expert_rows` for checkpoints and
 initialization and `vexpert_slots` for the gradient norm.
 
-Lancet (`moe.lancet.defer_wgrad`, `moe/lancet.py`): with `wgrad` set, the held experts' w1 / w2
-projections compute only dX in backward and queue their weight gradients (into the held rows of
-the leaves, times `grad_scale`) for the model's `WGradScheduler`.
+Lancet (`moe.lancet.defer_wgrad`, `moe/lancet.py`): with `wgrad` set, those weight-gradient
+additions are queued for the model's `WGradScheduler` instead of run in backward.
 """
 from __future__ import annotations
 
@@ -47,8 +48,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.model.transformer import residual_output_std
-from megatron_moe.moe.grouped_gemm import grouped_mm
-from megatron_moe.moe.lancet import deferred_grouped_mm
+from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad, scale_grad
 from megatron_moe.moe.vexperts import SlotTable, expert_rows
 
 
@@ -59,22 +59,6 @@ class ExpertBatch:
     tokens: torch.Tensor  # [m, h], expert_ids[0]'s rows first
     expert_ids: List[int]  # global expert ids: every owned expert (ascending), then replicas (ascending)
     counts: List[int]  # rows per expert (sums to m)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Identity forward; multiplies the gradient by `scale` in backward."""
-    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
 class Experts(torch.nn.Module):
@@ -123,11 +107,6 @@ class Experts(torch.nn.Module):
             return None
         return torch.tensor(index, dtype=torch.long, device=self.w1.device)
 
-    def held_stacks(self) -> List[torch.Tensor]:
-        """`stacks()` as computed: [held experts, ...] in `owned_expert_ids` order."""
-        index = self.held_index()
-        return self.stacks() if index is None else [p.index_select(0, index) for p in self.stacks()]
-
     def stacks(self) -> List[torch.Tensor]:
         """The parameters *Trans* moves for a replica, in a fixed order (moe/replicas.py)."""
         return [p for p in (self.w1, self.w2, self.b1, self.b2) if p is not None]
@@ -147,36 +126,36 @@ class Experts(torch.nn.Module):
             raise LookupError(f"EP rank {self.ep_rank} was asked to compute expert(s) {missing}, which it neither "
                               f"owns ({owned}) nor received as replicas ({held})")
         own_rows = sum(batch.counts[: len(owned)])
-        deferred = None
-        if self.wgrad is not None and torch.is_grad_enabled():  # Lancet: w1 / w2 dW later, from the leaves
-            deferred = (self.held_index(), grad_scale)
-        outputs = [self._ffn(batch.tokens[:own_rows], [scale_grad(p, grad_scale) for p in self.held_stacks()],
-                             batch.counts[: len(owned)], deferred)]
+        index = self.held_index()  # biases: rows of the stacks through autograd; w1 / w2: the leaves themselves
+        held = [self.w1, self.w2] + [scale_grad(p if index is None else p.index_select(0, index), grad_scale)
+                                     for p in (self.b1, self.b2) if p is not None]
+        outputs = [self._ffn(batch.tokens[:own_rows], held, batch.counts[: len(owned)], (index, grad_scale))]
         if replicas is not None:  # also with no rows here: Trans's backward (Agg) must run on every rank
             outputs.append(self._ffn(batch.tokens[own_rows:], [scale_grad(p, grad_scale) for p in replicas.stacks()],
                                      batch.counts[len(owned):]))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int],
-             deferred: Optional[Tuple[Optional[torch.Tensor], float]] = None) -> torch.Tensor:
+             leaves: Optional[Tuple[Optional[torch.Tensor], float]] = None) -> torch.Tensor:
         """x [m, h] grouped by expert (`counts`) through stacked shards (`stacks()` order) -> [m, h].
-        `deferred` (held rows index, grad scale): w1 / w2 are this module's own stacks and their
-        gradients are deferred (`moe/lancet.py`)."""
+        `leaves` (held rows index, grad scale): w1 / w2 are this module's own stacks (rows `index`
+        of them) and their weight gradients, times the scale, go straight into `.grad`, in backward
+        or deferred by Lancet's scheduler (`grouped_mm_into_grad`)."""
         w1, w2 = params[0], params[1]
         b1, b2 = (params[2], params[3]) if len(params) == 4 else (None, None)
-        experts = w1.shape[0]
+        experts = len(counts)
 
-        def project(rows, weight, leaf):  # [m, k] through [G, k, n]
-            if deferred is None:
-                return grouped_mm(rows, weight, counts)
-            return deferred_grouped_mm(rows, leaf, deferred[0], deferred[1], counts, self.wgrad)
+        def project(rows, weight):  # [m, k] through [G, k, n]
+            if leaves is None:
+                return grouped_mm(rows, weight.reshape(experts, weight.shape[1], math.prod(weight.shape[2:])), counts)
+            return grouped_mm_into_grad(rows, weight, leaves[0], leaves[1], counts, self.wgrad)
 
-        hidden = project(x, w1.reshape(experts, self.hidden_size, math.prod(w1.shape[2:])), self.w1)  # [m, W/esp]
+        hidden = project(x, w1)  # [m, W/esp]
         rows = torch.tensor(counts, dtype=torch.long, device=x.device)
         if b1 is not None:
             hidden = hidden + b1.reshape(experts, math.prod(b1.shape[1:])).repeat_interleave(
                 rows, dim=0, output_size=x.shape[0])
-        out = project(self.activation_fn(hidden, self.activation), w2, self.w2)  # [m, h] partial over FFN units
+        out = project(self.activation_fn(hidden, self.activation), w2)  # [m, h] partial over FFN units
         if b2 is not None:
             bias = b2.repeat_interleave(rows, dim=0, output_size=x.shape[0])  # [m, h/esp]
             before = self.esp_rank * bias.shape[1]

@@ -3,22 +3,44 @@
     y = grouped_mm(x, w, counts)     x [m, k] (group g's rows contiguous, groups in order)
                                      w [G, k, n], counts[g] rows of group g (sum = m) -> y [m, n]
 
-`torch._grouped_mm` (one kernel over all groups; CPU and CUDA) is used where it runs for the
-device and dtype, probed once per (device type, dtype); otherwise `_LoopGroupedMM`, one matmul
-per group inside a single autograd node: its backward writes each group's weight gradient into
-one `[G, k, n]` buffer. Either way there is no per-expert indexing of the stacked weight in
-autograd (indexing `w[g]` costs a zero-filled `[G, k, n]` gradient per group, O(G^2) memory
-traffic: issue #16). Under autocast both operands are cast to the autocast dtype first, as
-`torch.matmul` would be. Both paths give the plain per-group matmuls' result (tests/unit/test_grouped_gemm.py).
+Two entry points:
+
+* `grouped_mm`: autograd through `w`, whatever `w` is (the replica weights *Trans* moved in are
+  not leaves: their gradient must flow back to *Agg*).
+* `grouped_mm_into_grad`: `w` is rows `index` of a leaf stack (an expert parameter; all rows
+  when `index` is None) and its gradient is scaled by `scale`. With a Lancet `WGradScheduler`
+  (`moe/lancet.py`), and on the CPU wherever our dW kernels beat the native backward
+  (`Groups.own_wgrad_pays`), backward computes dX and adds dW_g = scale x_g^T dy_g straight into
+  the leaf's `.grad`: no `[G, k, n]` gradient is allocated per micro-batch and then added, one
+  read-modify-write of the stack instead. Otherwise it is plain autograd through the native kernel.
+
+Kernels: `torch._grouped_mm` (one kernel over all groups; CPU and CUDA) where it runs forward and
+backward for the device and dtype (probed once per (device type, dtype)); otherwise one matmul per
+group (`_loop_mm`). dW on the CPU: when the groups are small, one batched `baddbmm_` over the
+groups padded to the largest count (`_padding_pays`); else `torch._grouped_mm` into a temporary
+then added, while the stack is small; else one `addmm_` per non-empty group, in place. On CUDA:
+`torch._grouped_mm`'s single kernel into a temporary, then added. There is no
+per-expert indexing of a stack in autograd (indexing `w[g]` costs a zero-filled `[G, k, n]`
+gradient per group, O(G^2) memory traffic). Under autocast both operands are cast to the autocast
+dtype first, as `torch.matmul` would be. Every path gives the plain per-group matmuls' result up to
+float rounding (tests/unit/test_grouped_gemm.py).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Set, Tuple
+import math
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 _SUPPORTED: Dict[Tuple[str, torch.dtype], bool] = {}
 _REFUSED: Set[Tuple[str, torch.dtype, int, int]] = set()  # shapes the native kernel rejected (alignment)
+# CPU dW kernels (measured on the 2-core CPU of docs/performance.md, tests/unit/test_grouped_gemm.py):
+# a padded batch when the groups are small (per-call overhead dominates) and padding at most
+# multiplies the rows by _PAD_MAX_BLOWUP; else the native kernel into a temporary while that is
+# small (a large fresh temporary costs more in page faults than the calls it saves); else per group.
+_PAD_MAX_ROWS_PER_GROUP = 8
+_PAD_MAX_BLOWUP = 8
+_NATIVE_TEMP_MAX_ELEMENTS = 1 << 20
 
 
 def _native_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -47,52 +69,217 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.all(y == 8)) and bool(torch.all(w.grad[1] == 3))
 
 
-class _LoopGroupedMM(torch.autograd.Function):
-    """One matmul per group; one gradient buffer for the whole weight stack."""
+class Groups:
+    """Row counts of the groups of one grouped product (python ints), with what every kernel of
+    its forward and backward needs, computed once: the native kernel's end offsets, the padded
+    batch's length."""
 
-    @staticmethod
-    def forward(ctx, x, w, counts: List[int]):
-        ctx.save_for_backward(x, w)
-        ctx.counts = counts
-        y = x.new_empty((x.shape[0], w.shape[2]))
-        for g, (rows, out) in enumerate(zip(x.split(counts), y.split(counts))):
+    def __init__(self, counts: List[int]):
+        self.counts = counts
+        self._offsets: Dict[torch.device, torch.Tensor] = {}
+        busy, rows = sum(1 for c in counts if c), sum(counts)
+        # CPU dW: one `baddbmm_` over every group padded to the largest count, not a call per group?
+        self.padding_pays = (busy > 1 and rows <= _PAD_MAX_ROWS_PER_GROUP * busy
+                             and len(counts) * max(counts) <= _PAD_MAX_BLOWUP * rows)
+
+    def own_wgrad_pays(self, device: torch.device, stack_elements: int) -> bool:
+        """Does dW by `add_wgrad_` beat the native kernel's own backward (in C++, no Python per
+        call)? On the CPU when the groups are small enough to pad, or the stack so large that the
+        native backward's freshly allocated gradient costs more in page faults than per-group
+        calls into an existing one; elsewhere never."""
+        return device.type == "cpu" and (self.padding_pays or stack_elements > _NATIVE_TEMP_MAX_ELEMENTS)
+
+    def offsets(self, device: torch.device) -> torch.Tensor:
+        if device not in self._offsets:
+            ends = torch.tensor(self.counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            self._offsets[device] = ends.to(device)
+        return self._offsets[device]
+
+
+def _native_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> Optional[torch.Tensor]:
+    """`torch._grouped_mm` (x [m, k] with w [G, k, n], or x [k, m] with w [m, n] -> [G, k, n]),
+    or None where the kernel does not run for this device, dtype or shape."""
+    key = (x.device.type, x.dtype, w.shape[-2], w.shape[-1])
+    if not _native_supported(x.device, x.dtype) or key in _REFUSED:
+        return None
+    try:
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return torch._grouped_mm(x.contiguous(), w, offs=groups.offsets(x.device))
+        return torch._grouped_mm(x.contiguous(), w, offs=groups.offsets(x.device))
+    except RuntimeError:  # e.g. CUDA kernels want 16-byte aligned k and n
+        _REFUSED.add(key)
+        return None
+
+
+def _loop_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """[m, k] x [G, k, n] -> [m, n], one matmul per non-empty group."""
+    y = x.new_empty((x.shape[0], w.shape[2]))
+    for g, (rows, out) in enumerate(zip(x.split(groups.counts), y.split(groups.counts))):
+        if rows.shape[0]:
+            torch.mm(rows, w[g], out=out)
+    return y
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """The grouped product (no autograd of its own): the native kernel where it runs, else the loop."""
+    y = _native_mm(x, w, groups)
+    return y if y is not None else _loop_mm(x, w, groups)
+
+
+def _padded(rows: torch.Tensor, counts: List[int], length: int) -> torch.Tensor:
+    """[m, d] grouped rows -> [G, length, d], group g's rows first, zeros after."""
+    sizes = torch.tensor(counts, dtype=torch.long, device=rows.device)
+    group = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), sizes, output_size=rows.shape[0])
+    within = torch.arange(rows.shape[0], device=rows.device) - (sizes.cumsum(0) - sizes)[group]
+    out = rows.new_zeros(len(counts) * length, rows.shape[1])
+    return out.index_copy_(0, group * length + within, rows).view(len(counts), length, rows.shape[1])
+
+
+def add_wgrad_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, groups: Groups, alpha: float = 1.0) -> None:
+    """out [G, k, n] += alpha x_g^T dy_g for every group g (x [m, k], dy [m, n], rows grouped by `groups`)."""
+    counts = groups.counts
+    if x.dtype != out.dtype:  # autocast: the product in the compute dtype, accumulated in the stack's
+        tmp = torch.zeros(out.shape, dtype=x.dtype, device=out.device)
+        add_wgrad_(tmp, x, dy, groups)
+        out.add_(tmp, alpha=alpha)
+    elif out.device.type == "cpu" and groups.padding_pays:
+        length = max(counts)
+        out.baddbmm_(_padded(x, counts, length).transpose(1, 2), _padded(dy, counts, length), alpha=alpha)
+    elif ((out.device.type != "cpu" or out.numel() <= _NATIVE_TEMP_MAX_ELEMENTS)
+          and (native := _native_mm(x.t(), dy, groups)) is not None):
+        out.add_(native, alpha=alpha)  # one kernel into a temporary (CUDA: from the caching allocator)
+    else:
+        for g, (rows, grads) in enumerate(zip(x.split(counts), dy.split(counts))):
             if rows.shape[0]:
-                torch.mm(rows, w[g], out=out)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        grad = grad.contiguous()
-        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
-        for g, (rows, dy) in enumerate(zip(x.split(ctx.counts), grad.split(ctx.counts))):
-            if not rows.shape[0]:
-                continue
-            if dx is not None:
-                torch.mm(dy, w[g].t(), out=dx.narrow(0, sum(ctx.counts[:g]), rows.shape[0]))
-            if dw is not None:
-                torch.mm(rows.t(), dy, out=dw[g])
-        return dx, dw, None
+                out[g].addmm_(rows.t(), grads, alpha=alpha)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """x [m, k], w [G, k, n], counts [G] (python ints) -> [m, n]; see the module docstring."""
-    counts = [int(c) for c in counts]
-    if len(counts) != w.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(f"grouped_mm: {len(counts)} groups of {sum(counts)} rows for {w.shape[0]} weights "
-                         f"and {x.shape[0]} rows")
+def _autocast_pair(x: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w = x.to(dtype), w.to(dtype)
     if x.dtype != w.dtype:
         raise ValueError(f"grouped_mm: rows are {x.dtype}, weights {w.dtype}")
-    shape_key = (x.device.type, x.dtype, w.shape[1], w.shape[2])
-    if _native_supported(x.device, x.dtype) and shape_key not in _REFUSED:
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
-        try:
-            with torch.autocast(x.device.type, enabled=False):
-                return torch._grouped_mm(x.contiguous(), w, offs=offs)
-        except RuntimeError:  # e.g. CUDA kernels want 16-byte aligned k and n
-            _REFUSED.add(shape_key)
-    return _LoopGroupedMM.apply(x, w, counts)
+    return x, w
+
+
+def _groups(x: torch.Tensor, weights: int, counts: Sequence[int]) -> Groups:
+    counts = [int(c) for c in counts]
+    if len(counts) != weights or sum(counts) != x.shape[0]:
+        raise ValueError(f"grouped_mm: {len(counts)} groups of {sum(counts)} rows for {weights} weights "
+                         f"and {x.shape[0]} rows")
+    return Groups(counts)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """`grouped_mm`'s autograd where the native kernel's own does not run or does not pay
+    (`Groups.own_wgrad_pays`): the product and dX through `_mm`, dW by `add_wgrad_`."""
+
+    @staticmethod
+    def forward(ctx, x, w, groups: Groups):
+        ctx.save_for_backward(x, w)
+        ctx.groups = groups
+        return _mm(x, w, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = _mm(grad, w.transpose(1, 2), ctx.groups) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.zeros_like(w)
+            add_wgrad_(dw, x, grad, ctx.groups)
+        return dx, dw, None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """x [m, k], w [G, k, n], counts [G] (python ints) -> [m, n], differentiable in x and w."""
+    return _grouped_mm_autograd(x, w, _groups(x, w.shape[0], counts))
+
+
+def _grouped_mm_autograd(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    x, w = _autocast_pair(x, w)
+    if not groups.own_wgrad_pays(x.device, w.numel()):
+        y = _native_mm(x, w, groups)  # differentiable: torch._grouped_mm's own backward
+        if y is not None:
+            return y
+    return _GroupedMM.apply(x, w, groups)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity forward; multiplies the gradient by `scale` in backward."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+def _held(stack: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows `index` of a stack [S, k, ...] (all if None), viewed [G, k, n]."""
+    rows = stack if index is None else stack.index_select(0, index)
+    return rows.reshape(rows.shape[0], rows.shape[1], math.prod(rows.shape[2:]))
+
+
+def add_into_grad_(leaf: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, groups: Groups,
+                   index: Optional[torch.Tensor], scale: float) -> None:
+    """leaf.grad[index (all rows if None)] viewed [G, k, n] += scale x_g^T dy_g, creating `.grad`
+    as autograd would."""
+    if leaf.grad is None:
+        leaf.grad = torch.zeros_like(leaf)
+    shape = (len(groups.counts), x.shape[1], dy.shape[1])
+    if index is None:
+        add_wgrad_(leaf.grad.view(shape), x, dy, groups, scale)
+        return
+    rows = torch.zeros(shape, dtype=leaf.dtype, device=leaf.device)
+    add_wgrad_(rows, x, dy, groups, scale)
+    leaf.grad.index_add_(0, index, rows.view((shape[0],) + tuple(leaf.shape[1:])))
+
+
+class _GroupedMMIntoGrad(torch.autograd.Function):
+    """Grouped GEMM through rows `index` of a leaf stack; dW accumulated into the leaf's `.grad`."""
+
+    @staticmethod
+    def forward(ctx, x, leaf, index, scale, groups, scheduler):
+        x, w = _autocast_pair(x, _held(leaf.detach(), index))
+        ctx.save_for_backward(x)
+        ctx.leaf, ctx.index, ctx.scale, ctx.groups, ctx.scheduler = leaf, index, scale, groups, scheduler
+        return _mm(x, w, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        leaf, index, scale, groups = ctx.leaf, ctx.index, ctx.scale, ctx.groups
+        w = _held(leaf.detach(), index).to(x.dtype)
+        grad = grad.to(x.dtype).contiguous()
+        dx = _mm(grad, w.transpose(1, 2), groups) if ctx.needs_input_grad[0] else None
+
+        def dw():
+            add_into_grad_(leaf, x, grad, groups, index, scale)
+
+        if ctx.scheduler is None:
+            dw()
+        else:  # Lancet: run it while a backward all-to-all is in flight (moe/lancet.py)
+            ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw)
+        return dx, None, None, None, None, None
+
+
+def grouped_mm_into_grad(x: torch.Tensor, leaf: torch.nn.Parameter, index: Optional[torch.Tensor], scale: float,
+                         counts: Sequence[int], scheduler=None) -> torch.Tensor:
+    """`grouped_mm(x, leaf[index] viewed [G, k, n], counts)`, differentiable in x only: the weight
+    gradient, times `scale`, goes straight into `leaf.grad` (rows `index`), in backward or, with
+    a Lancet `WGradScheduler`, when that runs its deferred work."""
+    groups = _groups(x, leaf.shape[0] if index is None else index.numel(), counts)
+    if scheduler is None and not groups.own_wgrad_pays(x.device, leaf[0].numel() * len(groups.counts)):
+        # autograd: the native backward's dW (through index_select's backward and the scale) into `.grad`
+        return _grouped_mm_autograd(x, scale_grad(_held(leaf, index), scale), groups)
+    return _GroupedMMIntoGrad.apply(x, leaf, index, float(scale), groups, scheduler)

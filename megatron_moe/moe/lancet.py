@@ -6,8 +6,9 @@ Lancet is a compiler pass: it finds, for every all-to-all of the backward pass, 
 launch so they run while it is in flight. Here autograd is the graph and the pass is online:
 
 * every linear layer of the model (`tensor_parallel/layers.py`: attention, dense MLP, output) and
-  the experts' two grouped GEMMs compute dX in backward as usual but hand their dW (and bias
-  gradient) to the model's `WGradScheduler` as a closure (`defer`) instead of computing it. A dW
+  the experts' two grouped GEMMs (`moe/grouped_gemm.py` `grouped_mm_into_grad`) compute dX in
+  backward as usual but hand their dW (and bias gradient) to the model's `WGradScheduler` as a
+  closure (`defer`) instead of computing it. A dW
   depends on nothing that comes later in backward, and nothing in backward depends on it (it only
   ends in `.grad`): it is independent of every all-to-all still to come, Alg. 1's W^{I_i};
 * the MoE schedules launch each backward all-to-all asynchronously and call `fill(elements)`
@@ -27,7 +28,7 @@ and every queued dW runs in the first all-to-all that comes (the greedy's limit 
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -121,53 +122,6 @@ def deferred_linear(x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[
     """F.linear(x, weight viewed [out, in], bias viewed [out]) with dW deferred; weight and bias
     must be leaf parameters (their gradients are written into `.grad` by the deferred work)."""
     return _DeferredLinear.apply(x, weight, bias, scheduler, (-1, weight.shape[-1]))
-
-
-class _DeferredGroupedMM(torch.autograd.Function):
-    """Grouped GEMM of the experts (x [m, k], the stack's rows `index` viewed [G, k, n]) with dW
-    deferred: dW_g = x_g^T dy_g, times `scale`, added into rows `index` of the leaf's `.grad`."""
-
-    @staticmethod
-    def forward(ctx, x, leaf, index, scale, counts, scheduler):
-        from megatron_moe.moe.grouped_gemm import grouped_mm
-
-        w = _rows(leaf.detach(), index)
-        ctx.save_for_backward(x)
-        ctx.leaf, ctx.index, ctx.scale, ctx.counts, ctx.scheduler = leaf, index, scale, counts, scheduler
-        return grouped_mm(x, w.reshape(w.shape[0], x.shape[1], -1), counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from megatron_moe.moe.grouped_gemm import grouped_mm
-
-        (x,) = ctx.saved_tensors
-        leaf, index, scale, counts = ctx.leaf, ctx.index, ctx.scale, ctx.counts
-        w = _rows(leaf.detach(), index)
-        w = w.reshape(w.shape[0], x.shape[1], -1)
-        grad = grad.contiguous()
-        dx = grouped_mm(grad, w.transpose(1, 2), counts)
-
-        def dw():
-            out = torch.zeros_like(w)
-            for g, (rows, dy) in enumerate(zip(x.split(counts), grad.split(counts))):
-                if rows.shape[0]:
-                    torch.mm(rows.t(), dy, out=out[g])
-            if scale != 1.0:
-                out.mul_(scale)
-            accumulate_grad(leaf, out.view((out.shape[0],) + tuple(leaf.shape[1:])), index)
-
-        ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw)
-        return dx, None, None, None, None, None
-
-
-def _rows(stack: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return stack if index is None else stack.index_select(0, index)
-
-
-def deferred_grouped_mm(x: torch.Tensor, leaf: torch.nn.Parameter, index: Optional[torch.Tensor], scale: float,
-                        counts: Sequence[int], scheduler: WGradScheduler) -> torch.Tensor:
-    """`grouped_mm(x, leaf[index] as [G, k, n], counts)` with its weight gradient deferred."""
-    return _DeferredGroupedMM.apply(x, leaf, index, float(scale), [int(c) for c in counts], scheduler)
 
 
 def attach(model: torch.nn.Module, scheduler: WGradScheduler) -> None:

@@ -65,8 +65,9 @@ class Placement:
             raise ValueError(f"Placement: resident {self.resident} must list ascending experts for each of "
                              f"{table.shape[2]} EP ranks")
         pairs = [(e, q) for e, ranks in enumerate(self.replicas) for q in ranks]  # replica order
+        held = {(q, e) for q, experts in enumerate(self.resident) for e in experts}
         for e, ranks in enumerate(self.replicas):
-            if not ranks or e not in self.resident[ranks[0]] or len(set(ranks)) != len(ranks):
+            if not ranks or (ranks[0], e) not in held or len(set(ranks)) != len(ranks):
                 raise ValueError(f"Placement: replicas of expert {e} must list a rank holding it first, once "
                                  f"each: {ranks}")
         pair_experts, pair_ranks = torch.tensor(pairs, dtype=torch.long).t()

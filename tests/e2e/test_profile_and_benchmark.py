@@ -212,3 +212,14 @@ def test_lancet_benchmark_defers_wgrad_without_changing_gradients():
         assert out[name]["a2a_exposed_ms_backward"] <= out[name]["a2a_total_ms_backward"]
     assert out["plain"]["a2a_exposed_ms_backward"] == out["plain"]["a2a_total_ms_backward"]  # synchronous
     assert out["defer_wgrad"]["wgrad_overlapped_ms"] > 0  # no profile: every dW in the first all-to-all
+
+
+def test_grouped_gemm_benchmark_compares_the_dw_kernels():
+    """benchmarks/grouped_gemm.py (issue #16): every dW kernel's accumulated gradient equals
+    autograd's (the benchmark checks and stops otherwise), and the chooser's decisions are reported."""
+    proc = subprocess.run([sys.executable, "benchmarks/grouped_gemm.py", "--shapes", "8x256x8x16,64x64x8x16",
+                           "--micro-batches", "2", "--reps", "1"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    assert set(results["8x256x8x16"]["ms"]) == {"autograd", "padded", "native_temp", "per_group", "chosen"}
+    assert results["64x64x8x16"]["padding_pays"] and not results["8x256x8x16"]["padding_pays"]  # 1 vs 32 rows a group

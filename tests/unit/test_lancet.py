@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config import ConfigError, load_config, validate_config
-from megatron_moe.moe.grouped_gemm import grouped_mm
-from megatron_moe.moe.lancet import WGradScheduler, deferred_grouped_mm, deferred_linear
+from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad
+from megatron_moe.moe.lancet import WGradScheduler, deferred_linear
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
                                                 pipeline_time, segment_time)
@@ -46,8 +46,12 @@ def test_deferred_grouped_mm_matches_autograd_with_rows_and_scale(index):
     x = torch.randn(sum(counts), 4, generator=gen, requires_grad=True)
     upstream = torch.randn(sum(counts), 6, generator=gen)
     rows = torch.tensor(index) if index else None
-    y = deferred_grouped_mm(x, leaf, rows, 0.5, counts, WGradScheduler())
-    (y * upstream).sum().backward()
+    scheduler, seen = WGradScheduler(), []
+    y = grouped_mm_into_grad(x, leaf, rows, 0.5, counts, scheduler)
+    z = y * upstream
+    z.register_hook(lambda g: seen.append(leaf.grad))  # during backward, before the dW ran
+    z.sum().backward()
+    assert seen == [None] and not scheduler.pending  # deferred, then run when backward ended
     x_ref, leaf_ref = x.detach().clone().requires_grad_(True), leaf.detach().clone().requires_grad_(True)
     stack = leaf_ref if rows is None else leaf_ref.index_select(0, rows)
     y_ref = grouped_mm(x_ref, stack.reshape(len(counts), 4, 6), counts)

