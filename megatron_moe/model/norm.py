@@ -1,9 +1,15 @@
 """LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), parameters replicated across TP.
 
 Both normalize in fp32 (also under bf16 autocast) and return the input's dtype. Input and output
-`[..., hidden]`.
+`[..., hidden]`. Kernels: PyTorch's fused `layer_norm` / `rms_norm`; on CUDA, NVIDIA apex's fused
+kernels instead when the real apex is installed (`apex_fused_norms`: its compiled
+`fused_layer_norm_cuda` extension must import; the unrelated PyPI package named `apex` has none
+and is never used).
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +17,22 @@ import torch.nn.functional as F
 from megatron_moe.config.schema import ModelConfig
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
+
+
+@functools.lru_cache(maxsize=None)
+def apex_fused_norms() -> Optional[Tuple[Callable, Callable]]:
+    """(fused_layer_norm_affine, fused_rms_norm_affine) of NVIDIA apex, or None when the real apex
+    (with its compiled CUDA extension) is not importable."""
+    try:
+        import fused_layer_norm_cuda  # noqa: F401  the real apex's compiled kernels
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+    except ImportError:
+        return None
+    return fused_layer_norm_affine, fused_rms_norm_affine
+
+
+def _apex(x: torch.Tensor) -> Optional[Tuple[Callable, Callable]]:
+    return apex_fused_norms() if x.is_cuda else None
 
 
 class LayerNorm(torch.nn.Module):
@@ -22,7 +44,11 @@ class LayerNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
-        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps)
+        apex = _apex(x)
+        if apex is not None and bias is not None:
+            y = apex[0](x.float(), self.weight.float(), bias, x.shape[-1:], self.eps)
+        else:
+            y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps)
         return y.to(x.dtype)
 
 
@@ -35,8 +61,11 @@ class RMSNorm(torch.nn.Module):
         self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones", role="norm"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight.float()
+        apex = _apex(x)
+        if apex is not None:
+            y = apex[1](x.float(), self.weight.float(), x.shape[-1:], self.eps)
+        else:
+            y = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
         return y.to(x.dtype)
 
 

@@ -225,3 +225,24 @@ def test_sequence_longer_than_positions_is_rejected():
     cfg = _config(GPT2)
     with pytest.raises(ValueError, match="model.seq_length"):
         GPTMoEModel(cfg, SINGLE)(torch.zeros(1, cfg.model.seq_length + 1, dtype=torch.long))
+
+
+def test_apex_norm_kernels_only_from_the_real_apex(tmp_path, monkeypatch):
+    """The PyPI package named `apex` (a web toolkit) is never taken for NVIDIA apex: without the
+    compiled `fused_layer_norm_cuda` extension the norms stay on PyTorch's kernels, and CPU
+    tensors never ask for apex at all (model/norm.py)."""
+    from megatron_moe.model import norm
+
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("WEB_TOOLKIT = True\n")  # the impostor's shape
+    (tmp_path / "apex" / "normalization").mkdir()  # even with a normalization package: no CUDA extension
+    (tmp_path / "apex" / "normalization" / "__init__.py").write_text("")
+    (tmp_path / "apex" / "normalization" / "fused_layer_norm.py").write_text(
+        "def fused_layer_norm_affine(*a): raise AssertionError\ndef fused_rms_norm_affine(*a): raise AssertionError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    norm.apex_fused_norms.cache_clear()
+    try:
+        assert norm.apex_fused_norms() is None
+        assert norm._apex(torch.ones(2)) is None
+    finally:
+        norm.apex_fused_norms.cache_clear()
