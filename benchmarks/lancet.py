@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         if schedulers[name] is not None:
             results[name].update({"wgrad_overlapped_ms": median_ms(wgrad[name]["overlapped"]),
                                   "wgrad_at_end_ms": median_ms(wgrad[name]["drained"])})
-        partitioner = models[name].partitioner
+        partitioner = models[name].partitioners[0]  # one pipeline stage: one model chunk
         if partitioner is not None:
             results[name]["segments"] = [[s.start, s.end, s.parts] for s in partitioner.segments]
             if partitioner.prediction is not None:

@@ -29,3 +29,32 @@ def synthetic_datasets(cfg):
 def mixtral_config(tmp, overrides=()):
     return load_config(MIXTRAL_TINY, [f"training.run_dir={tmp}/run", f"checkpoint.dir={tmp}/ckpt",
                                       "logging.tensorboard=false"] + list(overrides))
+
+
+class SyntheticBertSamples:
+    """BERT sample i from seed i: n real tokens (segment A, then B), padding after them, ~15 % of
+    the real positions to predict (at least one), a random binary (sentence-order) label."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int):
+        self.n, self.seq, self.vocab = num_samples, seq_length, vocab_size
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        n = int(rng.integers(self.seq // 2, self.seq + 1))
+        real = np.arange(self.seq) < n
+        tokens = np.where(real, rng.integers(0, self.vocab, self.seq), 0).astype(np.int64)
+        token_types = ((np.arange(self.seq) >= n // 2) & real).astype(np.int64)
+        predict = (rng.random(self.seq) < 0.15) & real
+        predict[0] = True
+        labels = np.where(predict, rng.integers(0, self.vocab, self.seq), 0).astype(np.int64)
+        return {"tokens": tokens, "token_types": token_types, "padding_mask": real.astype(np.float32),
+                "labels": labels, "loss_mask": predict.astype(np.float32),
+                "binary_labels": np.array(rng.integers(0, 2), np.int64)}
+
+
+def synthetic_bert_datasets(cfg):
+    n = max(1, cfg.training.train_iters) * cfg.training.global_batch_size
+    return SyntheticBertSamples(n, cfg.model.seq_length, cfg.model.vocab_size), None

@@ -102,7 +102,12 @@ class ParallelConfig:
     tensor: int = 1  # tensor (model) parallel degree, N_MP
     expert: int = 1  # expert parallel degree, N_EP
     expert_shard: int = 1  # expert-sharding degree, N_ESP (shards each expert's FFN dim)
-    pipeline: int = 1  # pipeline degree (only 1 is supported for now)
+    pipeline: int = 1  # pipeline stages (docs/pipeline.md)
+    pipeline_schedule: str = "1f1b"  # registry training/pipeline_schedules.py: 1f1b | interleaved (virtual stages)
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved 1F1B needs >= 2)
+    # layers per model chunk in forward order (parallel.pipeline * parallel.virtual_stages entries,
+    # each >= 1, summing to model.num_layers); null = an even split
+    pipeline_layers: Optional[List[int]] = None
     backend: str = "auto"  # auto (nccl if CUDA else gloo) | gloo | nccl
     # ranks per node (consecutive ranks share a node): null = as the launcher placed them
     # (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node); set it to simulate nodes on one machine
@@ -124,7 +129,8 @@ class TrainingConfig:
     on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
     recompute: str = "none"  # activation recomputation: none | selective (core attention) | full (every layer)
     compile: bool = False  # torch.compile (TorchInductor) each layer's dense compute (model/compile.py)
-    inject_nan_at: int = 0  # TEST ONLY: make rank 0's loss NaN at this iteration (0 = never)
+    # TEST ONLY: make the loss NaN at this iteration on the last pipeline stage's first rank (0 = never)
+    inject_nan_at: int = 0
 
 
 @dataclass
@@ -138,6 +144,9 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     lr_schedule: str = "cosine"  # registry: cosine | constant
+    # ZeRO-1: AdamW state sharded over dp (dense params) / edp (expert params), gradients
+    # reduce-scattered, parameters all-gathered (training/distributed_optimizer.py)
+    distributed: bool = False
 
 
 @dataclass

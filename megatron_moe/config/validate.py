@@ -68,8 +68,6 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if moe.topology_gate.bandwidth_ratio <= 0:
         raise ConfigError(f"moe.topology_gate.bandwidth_ratio={moe.topology_gate.bandwidth_ratio} must be > 0")
 
-    if par.pipeline != 1:
-        raise ConfigError(f"parallel.pipeline={par.pipeline}: pipeline parallelism is not supported yet; use 1")
     if world_size % (par.tensor * par.pipeline) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tensor*parallel.pipeline="
@@ -96,6 +94,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"training.global_batch_size={tr.global_batch_size} is not divisible by "
             f"training.micro_batch_size*data_parallel={tr.micro_batch_size}*{dp}")
+    _check_pipeline(cfg, tr.global_batch_size // (tr.micro_batch_size * dp))
     if tr.train_iters < 0 or tr.eval_interval < 0 or tr.eval_iters < 0:
         raise ConfigError("training.train_iters, training.eval_interval and training.eval_iters must be >= 0")
     if tr.inject_nan_at < 0 or cfg.logging.image_interval < 0:
@@ -108,6 +107,41 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if not 0.0 <= getattr(opt, key) < 1.0:
             raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in [0, 1)")
     _check_checkpoint(cfg)
+
+
+def _check_pipeline(cfg: Config, micro_batches: int) -> None:
+    """Pipeline stages (training/pipeline.py, model/pipeline_stages.py) and the distributed optimizer;
+    `micro_batches`: per data-parallel rank and iteration."""
+    from megatron_moe.training.pipeline_schedules import PIPELINE_SCHEDULES
+
+    par, layers = cfg.parallel, cfg.model.num_layers
+    PIPELINE_SCHEDULES.get(par.pipeline_schedule)
+    if par.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} must be >= 1")
+    if par.pipeline_schedule == "interleaved":
+        if par.virtual_stages < 2 or par.pipeline < 2:
+            raise ConfigError(f"parallel.pipeline_schedule=interleaved needs parallel.pipeline >= 2 and "
+                              f"parallel.virtual_stages >= 2 (got {par.pipeline} and {par.virtual_stages})")
+        if micro_batches % par.pipeline:
+            raise ConfigError(f"parallel.pipeline_schedule=interleaved needs the {micro_batches} micro-batches per "
+                              f"data-parallel rank (training.global_batch_size / (training.micro_batch_size * "
+                              f"data parallel)) to be divisible by parallel.pipeline={par.pipeline}")
+    elif par.virtual_stages != 1:
+        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pipeline_schedule=interleaved "
+                          f"(parallel.pipeline_schedule={par.pipeline_schedule} runs one model chunk per stage)")
+    chunks = par.pipeline * par.virtual_stages
+    if par.pipeline_layers is None:
+        if layers % chunks:
+            raise ConfigError(f"model.num_layers={layers} is not divisible by parallel.pipeline*parallel.virtual_stages"
+                              f"={par.pipeline}*{par.virtual_stages}; set parallel.pipeline_layers for an uneven split")
+    else:
+        split = list(par.pipeline_layers)
+        if len(split) != chunks or any(n < 1 for n in split) or sum(split) != layers:
+            raise ConfigError(f"parallel.pipeline_layers={split} must have parallel.pipeline*parallel.virtual_stages="
+                              f"{chunks} entries, each >= 1, summing to model.num_layers={layers}")
+    if cfg.optimizer.distributed and cfg.moe.balancer in ("flexmoe", "eplb"):
+        raise ConfigError(f"optimizer.distributed=true does not work with moe.balancer={cfg.moe.balancer}: its "
+                          "vExperts move AdamW state between ranks, which the distributed optimizer shards")
 
 
 def _check_checkpoint(cfg: Config) -> None:

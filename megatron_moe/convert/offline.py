@@ -29,7 +29,7 @@ from megatron_moe.config.load import to_yaml
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.inference import build_single_process_model
 from megatron_moe.training.checkpoint import (checkpoint_config, layout_dict, read_meta, resolve_checkpoint,
-                                              single_process_config, write_checkpoint_dir)
+                                              single_process_config, write_checkpoint_dir, NO_PIPELINE)
 from megatron_moe.training.checkpoint_io import (ShardedEntry, full_entry, interleaved_swiglu_dim, load_full,
                                                  read_metadata)
 
@@ -86,7 +86,7 @@ def _write_layout(path: str, out_root: str, meta: dict, tensors: Dict[str, torch
     those of layout (tensor, expert, expert_shard)."""
     world = math.lcm(tensor, expert * expert_shard)
     cfg = checkpoint_config(path, [f"parallel.tensor={tensor}", f"parallel.expert={expert}",
-                                   f"parallel.expert_shard={expert_shard}", "checkpoint.load=null"])
+                                   f"parallel.expert_shard={expert_shard}", "checkpoint.load=null"] + NO_PIPELINE)
     validate_config(cfg, world)
     layout = RankLayout(world_size=world, tensor=tensor, expert=expert, expert_shard=expert_shard)
     states = [ParallelState.build(layout, r) for r in range(world)]

@@ -9,7 +9,7 @@ size 1. Byte counts use Parm's notation for a collective's message size x (Parm 
     all_to_all      x = bytes of this rank's input (all splits, including the one it keeps)
     broadcast       the root: bytes of the tensor x (size - 1) receivers; the others 0
     reduce          every rank but the root: bytes of its tensor; the root 0
-    p2p_exchange    bytes of the tensors it sends
+    p2p_exchange    bytes of the tensors it sends (pipeline stages: kind `pipeline`)
 
 Time is recorded twice per op: *total* (the op's span) and *exposed* (the time the caller was
 blocked by it). A synchronous op's exposed time is its total. An asynchronous op
@@ -221,16 +221,18 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", kind: str = "all_
     return t
 
 
-def all_gather(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "all_gather") -> torch.Tensor:
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "all_gather",
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Concatenate equal-shaped tensors from every rank of `group` along `dim` (rank order).
-    `kind` lets a caller label the traffic (e.g. routing metadata apart from hidden states)."""
+    `kind` lets a caller label the traffic (e.g. routing metadata apart from hidden states).
+    `out`: receive straight into it (its `group.size` chunks along `dim` must be contiguous; no copy)."""
     if group.size == 1:
         return t
     t = t.contiguous()
-    pieces = [torch.empty_like(t) for _ in range(group.size)]
+    pieces = list(out.chunk(group.size, dim)) if out is not None else [torch.empty_like(t) for _ in range(group.size)]
     with _timed(kind, group, _nbytes(t) * group.size):
         dist.all_gather(pieces, t, group=group.handle)
-    return torch.cat(pieces, dim=dim)
+    return out if out is not None else torch.cat(pieces, dim=dim)
 
 
 def all_gather_object(obj, group: Group, kind: str = "all_gather_object") -> list:
@@ -346,16 +348,18 @@ def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: st
                   lambda: torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0), keep=buf)
 
 
-def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum over ranks, then keep this rank's equal slice along `dim`."""
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "reduce_scatter",
+                   overwrite: bool = False) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's equal slice along `dim`. `kind` labels the traffic.
+    `overwrite`: `t` may be clobbered (gloo then reduces in it instead of in a copy)."""
     if group.size == 1:
         return t
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[group.rank])
-    with _timed("reduce_scatter", group, _nbytes(t)):
+    with _timed(kind, group, _nbytes(t)):
         if dist.get_backend(group.handle) == "gloo":
             # gloo has no reduce_scatter: all_reduce, then slice (same result, same counted payload)
-            full = t.contiguous().clone()
+            full = t if overwrite and t.is_contiguous() else t.contiguous().clone()
             dist.all_reduce(full, group=group.handle)
             out = full.chunk(group.size, dim=dim)[group.rank].contiguous()
         else:
@@ -433,19 +437,24 @@ def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "red
                                                              group=group.handle, async_op=True)], keep=t, sink=sink)
 
 
-def p2p_exchange(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-                 group: Group, kind: str = "send", tag: int = 0, sink: Optional[TimeSink] = None) -> Pending:
+def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, kind: str = "send", tag: int = 0,
+                 sink: Optional[TimeSink] = None) -> Pending:
     """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
     (batch_isend_irecv, as NCCL needs) and return one handle to wait on. Counts the bytes sent as
     `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself.
-    Messages between two ranks match in posting order (and by `tag` where the backend uses tags)."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), group.global_rank(i), group.handle, tag) for i, t in sends
-           if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, group.global_rank(i), group.handle, tag) for i, t in recvs if t.numel()]
+    Messages between two ranks match in posting order (and by tag where the backend uses tags: an
+    entry may carry its own, `(group rank, tensor, tag)`; `tag` is the default)."""
+    def op(fn, item):
+        i, t = item[0], item[1]
+        return dist.P2POp(fn, t.contiguous() if fn is dist.isend else t, group.global_rank(i), group.handle,
+                          item[2] if len(item) > 2 else tag)
+
+    ops = [op(dist.isend, item) for item in sends if item[1].numel()]
+    ops += [op(dist.irecv, item) for item in recvs if item[1].numel()]
     if not ops:
         return Pending.completed()
-    return _issue(kind, group, sum(_nbytes(t) for _, t in sends), lambda: dist.batch_isend_irecv(ops), keep=ops,
-                  inter_node=_off_node_bytes(group, [(i, _nbytes(t)) for i, t in sends]), sink=sink)
+    return _issue(kind, group, sum(_nbytes(item[1]) for item in sends), lambda: dist.batch_isend_irecv(ops), keep=ops,
+                  inter_node=_off_node_bytes(group, [(item[0], _nbytes(item[1])) for item in sends]), sink=sink)
 
 
 # ---- differentiable wrappers --------------------------------------------------------------------

@@ -11,7 +11,10 @@ No module-level globals (DESIGN.md §3). Two views of the same ranks, per pipeli
 
 Groups: ``tp`` (same stage & dp rank), ``dp`` (same stage & tp rank), ``pp`` (same local rank),
 ``esp`` (same stage, edp, ep), ``ep`` (same stage, edp, esp), ``ep_esp`` (same stage & edp: one full
-copy of every expert), ``edp`` (same stage, ep, esp: the replicas of one expert shard), ``world``.
+copy of every expert), ``edp`` (same stage, ep, esp: the replicas of one expert shard),
+``embedding`` (the first and the last stage's rank of one local rank: Megatron's embedding group,
+which sums the tied word embedding's gradient; a rank of a middle stage is alone in its own),
+``world``.
 
 Worked example: world=8, tensor=2, expert=2, expert_shard=2 (pipeline=1, so dp=4, edp=2)::
 
@@ -24,14 +27,15 @@ Worked example: world=8, tensor=2, expert=2, expert_shard=2 (pipeline=1, so dp=4
 
 With expert=2 expert_shard=4 tensor=2 the esp group {0,1,2,3} spans two tp groups; with tensor=4
 expert=2 expert_shard=2 each esp group {0,1}, {2,3} lies inside the tp group {0,1,2,3}.
-Adding pipeline stages later only prepends ``pp_rank * stage_size``; nothing else changes.
+Pipeline stages only prepend ``pp_rank * stage_size``: with pipeline=2 on 16 ranks, rank 9 is
+local rank 1 of stage 1, its ``pp`` group {1, 9}, its ``embedding`` group {1, 9}.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-GROUP_NAMES = ("tp", "dp", "pp", "ep", "esp", "ep_esp", "edp", "world")
+GROUP_NAMES = ("tp", "dp", "pp", "ep", "esp", "ep_esp", "edp", "embedding", "world")
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class RankLayout:
         ep_esp = self.expert * self.expert_shard
         edp, inner = divmod(local, ep_esp)
         ep, esp = divmod(inner, self.expert_shard)
-        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "esp": esp, "ep_esp": inner, "edp": edp, "world": rank}
+        last = self.pipeline > 1 and pp == self.pipeline - 1
+        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "esp": esp, "ep_esp": inner, "edp": edp,
+                "embedding": int(last), "world": rank}
 
     def groups(self, name: str) -> List[List[int]]:
         """All groups of one kind, each a sorted rank list; together they partition the world."""
@@ -87,6 +93,9 @@ class RankLayout:
             "ep": lambda c: (c["pp"], c["edp"], c["esp"]),
             "ep_esp": lambda c: (c["pp"], c["edp"]),
             "edp": lambda c: (c["pp"], c["ep"], c["esp"]),
+            # first and last stage of one local rank together; a middle stage's rank alone
+            "embedding": lambda c: ((0, c["world"] % self.stage_size) if c["pp"] in (0, self.pipeline - 1)
+                                    else (1, c["world"])),
         }[name]
         buckets: Dict[Any, List[int]] = {}
         for r in range(self.world_size):
@@ -164,6 +173,10 @@ class ParallelState:
         return self.layout.tensor
 
     @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline
+
+    @property
     def ep_size(self) -> int:
         return self.layout.expert
 
@@ -181,5 +194,6 @@ class ParallelState:
 
     def describe(self) -> str:
         c = self.layout.coords(self.rank)
-        return (f"rank {self.rank}/{self.world_size}: tp {c['tp']}/{self.tp_size} dp {c['dp']}/{self.dp_size} "
+        return (f"rank {self.rank}/{self.world_size}: pp {c['pp']}/{self.pp_size} tp {c['tp']}/{self.tp_size} "
+                f"dp {c['dp']}/{self.dp_size} "
                 f"ep {c['ep']}/{self.ep_size} esp {c['esp']}/{self.esp_size} edp {c['edp']}/{self.edp_size}")

@@ -11,24 +11,23 @@ masked-LM head and the binary head of BERT pretraining, tensor-parallel as in Me
 
 Everything outside the vocabulary-parallel embedding/projection and the attention/FFN blocks is
 replicated across TP; parameters are initialized from `training.seed` independently of the layout.
+Under pipeline parallelism the embedding sits on the first stage and both heads on the last, with a
+copy of the word table for the tied MLM projection (model/pipeline_stages.py).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
-from megatron_moe.model.param_meta import ParamMeta, init_model_from_seed_, make_param
-from megatron_moe.model.compile import compile_layers
-from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
-from megatron_moe.moe import lancet, lancet_partition
-from megatron_moe.tensor_parallel import DropoutRNG, copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
+from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.model.pipeline_stages import StagedModel
+from megatron_moe.tensor_parallel import copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
 
 NUM_TOKEN_TYPES = 2  # segment A, segment B
 
@@ -45,43 +44,35 @@ class Dense(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class BertMoEModel(torch.nn.Module):
+class BertMoEModel(StagedModel):
     def __init__(self, cfg: Config, state: ParallelState):
-        super().__init__()
         m = cfg.model
-        self.cfg, self.state = cfg, state
-        self.dropout_rng = DropoutRNG(cfg.training.seed, state)
-        self.embedding = Embedding(m, state, self.dropout_rng, num_token_types=NUM_TOKEN_TYPES)
-        self.layers = torch.nn.ModuleList(
-            TransformerLayer(cfg, state, i, self.dropout_rng, causal=False) for i in range(m.num_layers))
-        self.final_norm = build_norm(m, state)
-        # MLM head: transform, then the tied word embedding and a vocab-parallel bias
-        self.mlm_dense = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
-        self.mlm_norm = build_norm(m, state)
-        self.mlm_bias = make_param(ParamMeta("dense", (padded_vocab_size(m.vocab_size, state.tp_size),), [(0, "tp")],
-                                             init="zeros", role="bias"), state)
-        self.pooler = self.binary_head = None
-        if m.binary_head != "none":
-            self.pooler = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
-            self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
-        init_model_from_seed_(self, cfg.training.seed, state)
-        lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
-        if cfg.training.compile:
-            compile_layers(self.layers)
-        self.partitioner = lancet_partition.from_config(cfg, state, self.dropout_rng, self.layers)  # moe.lancet.partitions
-
-    def moe_layers(self) -> List[torch.nn.Module]:
-        return moe_ffns(self.layers)
+        super().__init__(cfg, state, causal=False, num_token_types=NUM_TOKEN_TYPES)
+        self.mlm_dense = self.mlm_norm = self.mlm_bias = self.pooler = self.binary_head = None
+        self.has_binary_loss = m.binary_head != "none"
+        if self.stage.has_head:
+            # MLM head: transform, then the tied word embedding and a vocab-parallel bias
+            self.mlm_dense = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
+            self.mlm_norm = build_norm(m, state)
+            self.mlm_bias = make_param(ParamMeta("dense", (padded_vocab_size(m.vocab_size, state.tp_size),),
+                                                 [(0, "tp")], init="zeros", role="bias"), state)
+            if m.binary_head != "none":
+                self.pooler = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
+                self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
+        self.finish_init()
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor, padding_mask: torch.Tensor,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                binary_labels: Optional[torch.Tensor] = None) -> ModelOutput:
+                binary_labels: Optional[torch.Tensor] = None, *, chunk: int = 0,
+                hidden: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens, token_types, padding_mask (1 = real token), labels, loss_mask (1 = masked position
-        to predict) `[b, s]`, binary_labels `[b]`; all replicated across TP."""
-        x, aux_loss = run_layers(self.layers, self.embedding(tokens, token_types), padding_mask,
-                                 self.partitioner)  # [b, s, h]
+        to predict) `[b, s]`, binary_labels `[b]`; all replicated across TP. `chunk`, `hidden`: as
+        GPTMoEModel.forward (pipeline stages)."""
+        x, aux_loss, moe_stats = self.run_chunk(chunk, hidden, lambda: self.embedding(tokens, token_types),
+                                                padding_mask)  # [b, s, h]
+        if not self.stage.is_last(chunk):
+            return ModelOutput(None, None, aux_loss, moe_stats, hidden=x)
         x = self.final_norm(x)
-        moe_stats = [moe.last_stats for moe in self.moe_layers()]
         logits = self._mlm_logits(x)  # [b, s, V_padded/tp]
         binary_logits = None
         if self.binary_head is not None:

@@ -3,6 +3,8 @@ types (BERT segments A/B)], then dropout.
 
 tokens `[b, s]` (replicated across TP) -> hidden `[b, s, h]` (replicated across TP). With rotary
 positions (`model.position_embedding: rope`) there is no position table; attention rotates q/k.
+`word_only`: just the word table (a last pipeline stage's copy for the tied output layer,
+model/pipeline_stages.py); it is not called.
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from megatron_moe.tensor_parallel import Dropout, DropoutRNG, VocabParallelEmbed
 
 
 class Embedding(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG, num_token_types: int = 0):
+    def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG, num_token_types: int = 0,
+                 word_only: bool = False):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, state, std=cfg.init_std)
         self.position = None
-        if cfg.position_embedding == "learned":
+        if cfg.position_embedding == "learned" and not word_only:
             self.position = make_param(ParamMeta("dense", (cfg.seq_length, cfg.hidden_size), std=cfg.init_std,
                                                        role="embedding"), state)
         self.token_type = None

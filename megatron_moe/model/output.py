@@ -19,3 +19,5 @@ class ModelOutput:
     moe_stats: List["MoEStats"] = field(default_factory=list)  # noqa: F821 - megatron_moe.moe.stats
     # BERT's binary head (sentence order / next sentence): mean cross-entropy; None for GPT
     binary_loss: Optional[torch.Tensor] = None
+    # a pipeline chunk before the last: its output hidden states [b, s, h] for the next stage
+    hidden: Optional[torch.Tensor] = None

@@ -38,6 +38,7 @@ class TransformerLayer(torch.nn.Module):
                  causal: bool = True):
         super().__init__()
         m = cfg.model
+        self.layer_index = layer_index
         output_std = residual_output_std(m)
         self.attention_norm = build_norm(m, state)
         self.attention = SelfAttention(m, state, rng, output_std=output_std, causal=causal,

@@ -33,7 +33,8 @@ before the MoE layer (Lancet §5: the topology gate's budget ranks the whole bat
 
 `partition_range: N` takes up to N sublayers before and after every MoE FFN (0: the MoE FFN alone).
 `auto` measures every sublayer once, on the first forward, at 1..k parts (forward only, no
-dropout, nothing recorded), takes the maximum over ranks, and runs §5.1's dynamic program.
+dropout, nothing recorded), takes the maximum over the ranks of the pipeline stage, and runs §5.1's
+dynamic program. With pipeline stages each model chunk has its own partitioner over its layers.
 """
 from __future__ import annotations
 
@@ -54,8 +55,10 @@ PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op
 
 
 def op_names(layers) -> List[str]:
-    """The forward's instructions: 'attention <i>' and 'ffn <i>' / 'moe <i>' per layer, in order."""
-    return [name for i, layer in enumerate(layers) for name in (f"attention {i}", f"{'moe' if layer.is_moe else 'ffn'} {i}")]
+    """The forward's instructions: 'attention <i>' and 'ffn <i>' / 'moe <i>' per layer (global
+    layer index i), in order."""
+    return [name for layer in layers
+            for name in (f"attention {layer.layer_index}", f"{'moe' if layer.is_moe else 'ffn'} {layer.layer_index}")]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -198,8 +201,12 @@ class ForwardPartitioner:
                                 best = (max(seconds - a2a, 0.0), a2a)
                         times[op, k - 1] = torch.tensor(best, dtype=torch.float64)
                         h = out
-                # the maximum over ranks (NCCL: on the GPU), so every rank plans the same segments
-                times = C.all_reduce(times.to(x.device), self.state.world, op="max", kind=PLAN_KIND).cpu()
+                # the maximum over the pipeline stage's ranks (its dp x tp grid; NCCL: on the GPU), so
+                # every rank that runs these layers plans the same segments
+                times = times.to(x.device)
+                for group in (self.state.tp, self.state.dp):
+                    C.all_reduce(times, group, op="max", kind=PLAN_KIND)
+                times = times.cpu()
         finally:
             for layer, was_training in zip(layers, training):
                 layer.train(was_training)

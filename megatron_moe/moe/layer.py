@@ -25,7 +25,8 @@ this is the mean over micro-batches. Input gradients dx are complete on every TP
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections import deque
+from typing import Callable, Deque, Optional, Tuple
 
 import torch
 
@@ -61,7 +62,10 @@ class MoELayer(torch.nn.Module):
         # Lancet's partitioned forward (moe/lancet_partition.py): set while it runs one of a
         # micro-batch's batch parts through this layer, a later part (index > 0) keeps the times
         self.part_index: Optional[int] = None
-        self.planned: list = []  # the placements of the latest forward (replayed by a recomputation)
+        # training.recompute=full: each training forward's placements, replayed by its recomputation
+        # in backward (first in, first out: pipeline schedules run several forwards before their backwards)
+        self.keeps_plans = cfg.training.recompute == "full"
+        self.planned: Deque[list] = deque()
 
     def forward(self, x: torch.Tensor, while_dispatching: Optional[Callable[[], None]] = None,
                 while_combining: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +77,8 @@ class MoELayer(torch.nn.Module):
             return self._recompute(routed, b, s, h, x.dtype)
         planner = _PlanRecorder(self.balancer)
         placement = self.schedule.place(routed, planner)
-        self.planned = planner.placements
+        if self.keeps_plans and torch.is_grad_enabled():
+            self.planned.append(planner.placements)
         if self.prefetched is None and not self.part_index:
             self.replica_times = C.TimeSink()
         replicas = cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
@@ -101,7 +106,7 @@ class MoELayer(torch.nn.Module):
     def _recompute(self, routed, b: int, s: int, h: int, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """This layer's forward run again in backward (model/recompute.py): the placements the
         original forward planned (the balancer may have moved on), no observe, no prefetch, no stats."""
-        placement = self.schedule.place(routed, _PlanReplay(self.planned))
+        placement = self.schedule.place(routed, _PlanReplay(self.planned.popleft()))
         replicas = fetch_replicas(self.experts, placement, self.state, C.TimeSink())
         y = self.schedule.run(routed, placement, self.experts, replicas)
         return y.to(dtype).view(b, s, h), routed.routing.aux_loss

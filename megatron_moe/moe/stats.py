@@ -76,6 +76,26 @@ class IterationMoEStats:
                    [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]),
                    timing=torch.tensor([s.timing() for s in stats], dtype=torch.float64))
 
+    @classmethod
+    def across_stages(cls, stats: Optional["IterationMoEStats"], layers: List[int],
+                      group) -> Optional["IterationMoEStats"]:
+        """Every pipeline stage's MoE layers in layer order, on every rank of the ``pp`` `group`
+        (`stats`: this stage's, or None without MoE layers; `layers`: their global indices)."""
+        from megatron_moe.distributed import collectives
+
+        parts = [part for part in collectives.all_gather_object((list(layers), stats), group) if part[1] is not None]
+        if not parts:
+            return None
+        rows = sorted((index, stage, row) for stage, (indices, _) in enumerate(parts)
+                      for row, index in enumerate(indices))
+
+        def pick(name: str) -> torch.Tensor:
+            return torch.cat([getattr(parts[stage][1], name)[row: row + 1] for _, stage, row in rows])
+
+        return cls(pick("tokens_per_expert"), pick("dropped"), pick("tokens_per_ep_rank"),
+                   [parts[stage][1].schedules[row] for _, stage, row in rows], pick("replicas"), parts[0][1].forwards,
+                   pick("timing"))
+
     def __add__(self, other: "IterationMoEStats") -> "IterationMoEStats":
         return IterationMoEStats(self.tokens_per_expert + other.tokens_per_expert, self.dropped + other.dropped,
                                  self.tokens_per_ep_rank + other.tokens_per_ep_rank,

@@ -3,9 +3,11 @@
 A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
 
 * DCP tensor files (`checkpoint_io.py`), every tensor under its global identity:
-  `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`),
+  `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`; names are the
+  same under any pipeline split, model/pipeline_stages.py, each stage writes its own),
   `optim/<param name>/exp_avg|exp_avg_sq` (AdamW moments share their parameter's sharding, so
-  they reshard with it), `optim/<param name>/step` (replicated scalar),
+  they reshard with it; a distributed optimizer writes its shards' parts as boxes of the same
+  tensors), `optim/<param name>/step` (replicated scalar),
   `rng/rank<r>/...` (torch CPU/CUDA generator and `DropoutRNG` states of rank r);
 * `meta.json`: iteration, consumed samples, the layout it was saved under, and (FlexMoE / EPLB)
   `balancers`: each MoE layer's vExpert slots and planner state, restored on the same layout,
@@ -42,6 +44,7 @@ from megatron_moe.config.load import load_config, to_yaml
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.vexperts import fill_duplicates
+from megatron_moe.training.distributed_optimizer import DistributedOptimizer
 from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
                                                  load_entries, read_json, read_metadata, save_entries, verify_manifest,
                                                  write_json, write_manifest)
@@ -57,17 +60,24 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 # -- state entries ------------------------------------------------------------------------------
-def param_entry(tensor: torch.Tensor, meta, state: ParallelState, rows=None) -> ShardedEntry:
+def param_entry(tensor: Optional[torch.Tensor], meta, state: ParallelState, rows=None, boxes=None) -> ShardedEntry:
     """This rank's shard of a parameter-shaped tensor under its global identity (padding rows cut).
-    `rows`: [(local row, global expert)] of a vExpert slot stack (`moe/vexperts.py`), one chunk each."""
+    `rows`: [(local row, global expert)] of a vExpert slot stack (`moe/vexperts.py`), one chunk each.
+    `boxes`: [(tensor, offsets inside the local shard)] instead of the whole `tensor` (the
+    distributed optimizer's part of the moments, training/distributed_optimizer.py)."""
     shape, offsets = list(meta.global_shape), meta.offsets(state)
     if rows is not None:
         return ShardedEntry(tuple(shape), [(tensor.data[k: k + 1], (e,) + tuple(offsets[1:])) for k, e in rows])
-    chunk = tensor.data
     if meta.valid_rows is not None:
         shape[0] = meta.valid_rows
-        chunk = chunk[: max(0, min(chunk.shape[0], meta.valid_rows - offsets[0]))]
-    return ShardedEntry(tuple(shape), [(chunk, offsets)] if chunk.dim() == 0 or chunk.shape[0] > 0 else [])
+    chunks = []
+    for chunk, local in (boxes if boxes is not None else [(tensor.data, (0,) * tensor.dim())]):
+        start = tuple(o + n for o, n in zip(offsets, local))
+        if meta.valid_rows is not None:
+            chunk = chunk[: max(0, min(chunk.shape[0], meta.valid_rows - start[0]))]
+        if chunk.dim() == 0 or chunk.shape[0] > 0:
+            chunks.append((chunk, start))
+    return ShardedEntry(tuple(shape), chunks)
 
 
 def model_entries(model: torch.nn.Module, state: ParallelState) -> Dict[str, ShardedEntry]:
@@ -84,14 +94,21 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> Dict
             "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(())}
 
 
-def optimizer_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState,
+def optimizer_entries(model: torch.nn.Module, optimizer, state: ParallelState,
                       adam_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> Dict[str, ShardedEntry]:
-    """AdamW state per parameter name; `adam_states` (name -> tensors) overrides the live state."""
+    """AdamW state per parameter name; `adam_states` (name -> tensors) overrides the live state.
+    A distributed optimizer offers its shards' parts (views: loading fills them)."""
+    sharded = optimizer.sharded_states() if isinstance(optimizer, DistributedOptimizer) else None
     out = {}
     for name, p in model.named_parameters():
-        st = adam_states[name] if adam_states is not None else _adam_state(optimizer, p)
-        out[f"optim/{name}/exp_avg"] = param_entry(st["exp_avg"], p.meta, state, _rows(p))
-        out[f"optim/{name}/exp_avg_sq"] = param_entry(st["exp_avg_sq"], p.meta, state, _rows(p))
+        if sharded is not None:
+            st = sharded[name]
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim/{name}/{key}"] = param_entry(None, p.meta, state, boxes=st[key])
+        else:
+            st = adam_states[name] if adam_states is not None else _adam_state(optimizer, p)
+            out[f"optim/{name}/exp_avg"] = param_entry(st["exp_avg"], p.meta, state, _rows(p))
+            out[f"optim/{name}/exp_avg_sq"] = param_entry(st["exp_avg_sq"], p.meta, state, _rows(p))
         out[f"optim/{name}/step"] = full_entry(st["step"])
     return out
 
@@ -175,7 +192,7 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     entries.update({k: full_entry(v) for k, v in _rng_states(model, state).items()})
     meta = {"iteration": iteration, "consumed_samples": iteration * cfg.training.global_batch_size,
             "layout": layout_dict(state), "has_optimizer": True, "trainer": trainer_state or {}}
-    balancers = _balancer_states(model)
+    balancers = _balancer_states(model, state)
     if balancers:
         meta["balancers"] = {"balancer": cfg.moe.balancer, "layout": layout_dict(state), "layers": balancers}
     return write_checkpoint_dir(cfg.checkpoint.dir, iteration, entries, meta, to_yaml(cfg), state,
@@ -264,10 +281,15 @@ def checkpoint_config(path: str, overrides=()) -> Config:
     return load_config(os.path.join(path, CONFIG), list(overrides))
 
 
+# a checkpoint's config without pipeline stages (single-process models, offline resharding)
+NO_PIPELINE = ["parallel.pipeline=1", "parallel.pipeline_schedule=1f1b", "parallel.virtual_stages=1",
+               "parallel.pipeline_layers=null"]
+
+
 def single_process_config(path: str) -> Config:
     """A checkpoint's config for one process (parallel degrees 1, nothing to load at start-up)."""
     return checkpoint_config(path, ["parallel.tensor=1", "parallel.expert=1", "parallel.expert_shard=1",
-                                    "parallel.pipeline=1", "checkpoint.load=null"])
+                                    "checkpoint.load=null"] + NO_PIPELINE)
 
 
 def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.nn.Module,
@@ -284,9 +306,13 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
         _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
     entries = model_entries(model, state)
     adam_states = None
+    distributed = isinstance(optimizer, DistributedOptimizer)
     if optimizer is not None and meta.get("has_optimizer"):
-        adam_states = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                              "step": torch.zeros((), dtype=torch.float32)} for name, p in model.named_parameters()}
+        if distributed:
+            optimizer.reset_state()  # the entries are views into its zeroed shards
+        else:
+            adam_states = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                                  "step": torch.zeros((), dtype=torch.float32)} for name, p in model.named_parameters()}
         entries.update(optimizer_entries(model, optimizer, state, adam_states))
     same_layout = meta["layout"] == layout_dict(state)
     rng = {}
@@ -304,14 +330,20 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
                                                          if adam_states is not None else []))
     if adam_states is not None:
         _set_adam_states(model, optimizer, adam_states)
+    elif distributed and meta.get("has_optimizer"):
+        optimizer.load_steps()
     _set_rng_states(model, state, rng)
     return meta
 
 
-def _balancer_states(model: torch.nn.Module) -> Dict[str, dict]:
-    """{MoE layer index: its balancer's `state_dict()`} for balancers that have state (vExperts)."""
+def _balancer_states(model: torch.nn.Module, state: ParallelState) -> Dict[str, dict]:
+    """Collective over ``pp``: {MoE layer index: its balancer's `state_dict()`} of every pipeline
+    stage, for balancers that have state (vExperts)."""
     layers = model.moe_layers() if hasattr(model, "moe_layers") else []
-    return {str(layer.layer_index): st for layer in layers if (st := layer.balancer.state_dict())}
+    mine = {str(layer.layer_index): st for layer in layers if (st := layer.balancer.state_dict())}
+    if state.pp_size == 1:
+        return mine
+    return {k: v for stage in collectives.all_gather_object(mine, state.pp) for k, v in stage.items()}
 
 
 def _load_balancer_states(model: torch.nn.Module, states: Dict[str, dict]) -> None:

@@ -10,14 +10,22 @@ global-batch mean loss is the SUM over data-parallel ranks divided by dp_size:
   ``tp``, expert params not sharded over ``esp``: norms, biases, router, ...) gets the same gradient
   on every member of that group; it is also averaged over it so the copies stay bit-identical.
 
+* the tied word embedding under pipeline parallelism (`tied_across_stages`, model/pipeline_stages.py)
+  has a copy on the first and on the last stage, each holding part of its gradient: SUM over the
+  ``embedding`` group as well (Megatron's embedding all-reduce), after the other buckets.
+
 Gradients are flattened into buckets (same groups, scale, dtype, device; at most `bucket_bytes`)
-so there is one all-reduce per bucket and group, not one per parameter.
+so there is one all-reduce per bucket and group, not one per parameter. With the distributed
+optimizer (`replicas=False`) the replica sum over dp / edp and the 1/dp_size are left to its
+reduce-scatter (training/distributed_optimizer.py); the rest happens here.
 
 Global grad norm: each parameter counted exactly once. A param's squared norm is summed over the
 groups in ``p.meta.shards`` (its shards are disjoint pieces); replicated copies (over dp, edp, tp,
 esp) are identical after `sync` and are not summed -- the classic MoE bug counts expert or
 tp-replicated params once per copy. vExpert slots holding the same expert (FlexMoE, EPLB) count
-once too (`_squared_norm`).
+once too (`_squared_norm`), and so does the tied word embedding (the last stage's copy is
+`pipeline_duplicate`). Each pipeline stage holds its own parameters: the stages' sums are added
+over ``pp`` (`reduce_squared_norms`).
 """
 from __future__ import annotations
 
@@ -33,8 +41,8 @@ BUCKET_BYTES = 32 << 20
 
 # the group whose ranks split a layer's compute, per param kind; a param not sharded over it is
 # replicated there and averaged over it
-_COMPUTE_GROUP = {"dense": "tp", "expert": "esp"}
-_REPLICA_GROUP = {"dense": "dp", "expert": "edp"}
+COMPUTE_GROUP = {"dense": "tp", "expert": "esp"}
+REPLICA_GROUP = {"dense": "dp", "expert": "edp"}
 
 
 def _squared_norm(p: torch.nn.Parameter) -> torch.Tensor:
@@ -47,6 +55,30 @@ def _squared_norm(p: torch.nn.Parameter) -> torch.Tensor:
     return squared.flatten(1).sum(1)[slots.canonical_mask(slots.ep_rank).to(p.grad.device)].sum()
 
 
+def counts_in_norm(p: torch.nn.Parameter) -> bool:
+    """False for the last stage's copy of a tied embedding (the first stage's copy counts)."""
+    return not getattr(p, "pipeline_duplicate", False)
+
+
+def reduce_squared_norms(squared: Dict[Tuple[str, ...], torch.Tensor], state: ParallelState,
+                         device: torch.device) -> float:
+    """sqrt of the global sum of squares: `squared[key]` is this rank's sum over parameter pieces
+    that are disjoint across the groups `key` (summed over each of them), replicated elsewhere; the
+    pipeline stages' totals are summed over ``pp``. Same on every rank."""
+    keys = sorted(squared)
+    if not keys:
+        total = torch.zeros((), device=device)
+    else:
+        sq = torch.stack([squared[k] for k in keys])  # [num keys]
+        for name in sorted({g for k in keys for g in k}):
+            rows = [i for i, k in enumerate(keys) if name in k]
+            part = sq[rows].clone()
+            collectives.all_reduce(part, state.groups[name])
+            sq[rows] = part
+        total = sq.sum()
+    return float(collectives.all_reduce(total.reshape(1), state.pp)[0].sqrt())
+
+
 @dataclass
 class _Bucket:
     params: List[torch.nn.Parameter]
@@ -55,14 +87,15 @@ class _Bucket:
     nbytes: int = 0
 
 
-def _sync_plan(p: torch.nn.Parameter, state: ParallelState) -> Tuple[Tuple[str, ...], float]:
+def _sync_plan(p: torch.nn.Parameter, state: ParallelState, replicas: bool) -> Tuple[Tuple[str, ...], float]:
     meta = p.meta
-    replica = _REPLICA_GROUP[meta.kind]
-    groups, scale = [replica], 1.0 / state.dp_size
-    compute = _COMPUTE_GROUP[meta.kind]
+    groups, scale = ([REPLICA_GROUP[meta.kind]], 1.0 / state.dp_size) if replicas else ([], 1.0)
+    compute = COMPUTE_GROUP[meta.kind]
     if compute not in meta.sharded_groups():
         groups.append(compute)
         scale /= state.groups[compute].size
+    if getattr(p, "tied_across_stages", False):
+        groups.append("embedding")
     return tuple(g for g in groups if state.groups[g].size > 1), scale
 
 
@@ -70,7 +103,7 @@ class GradSync:
     """Bucketed gradient all-reduce + grad-norm clipping for one model on one ParallelState."""
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, replicas: bool = True):
         self.state = state
         self.params = []
         for name, p in named_params:
@@ -80,7 +113,7 @@ class GradSync:
         open_buckets: Dict[tuple, _Bucket] = {}
         self.buckets: List[_Bucket] = []
         for p in self.params:
-            groups, scale = _sync_plan(p, state)
+            groups, scale = _sync_plan(p, state, replicas)
             if not groups and scale == 1.0:
                 continue
             key = (groups, scale, p.dtype, p.device)
@@ -91,6 +124,7 @@ class GradSync:
                 self.buckets.append(bucket)
             bucket.params.append(p)
             bucket.nbytes += nbytes
+        self.buckets.sort(key=lambda b: "embedding" in b.groups)  # the tied embedding's sum last
         # grad-norm bookkeeping: params grouped by the (size > 1) groups they are sharded over
         self.norm_keys: Dict[Tuple[str, ...], List[torch.nn.Parameter]] = {}
         for p in self.params:
@@ -125,15 +159,12 @@ class GradSync:
     def grad_norm(self) -> float:
         """Global L2 norm of the (synced) gradient, every parameter counted once; same on all ranks."""
         self._fill_missing_grads()
-        keys = sorted(self.norm_keys)
-        sq = torch.stack([torch.stack([_squared_norm(p) for p in self.norm_keys[k]]).sum()
-                          for k in keys])  # [num keys] local squared norms
-        for name in sorted({g for k in keys for g in k}):
-            rows = [i for i, k in enumerate(keys) if name in k]
-            part = sq[rows].clone()
-            collectives.all_reduce(part, self.state.groups[name])
-            sq[rows] = part
-        return float(sq.sum().sqrt())
+        device = self.params[0].device if self.params else torch.device("cpu")
+        squared = {}
+        for key, params in self.norm_keys.items():
+            parts = [_squared_norm(p) for p in params if counts_in_norm(p)]
+            squared[key] = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+        return reduce_squared_norms(squared, self.state, device)
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> float:

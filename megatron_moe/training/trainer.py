@@ -11,6 +11,12 @@ binary head (BERT) add its loss to the objective and report it as `binary_loss`.
 The data builder (`datasets(cfg) -> (train, valid)`, GPT by default) follows the model class;
 global batch i is samples [i*B, (i+1)*B) of the seed-shuffled dataset (`data/batches.py`).
 
+Pipeline stages (`parallel.pipeline` > 1): the micro-batches run through this rank's stage by the
+configured schedule (training/pipeline.py); a stage reports its part of the loss sums (the last
+stage the lm and binary losses, every stage its MoE aux losses), summed over ``pp``. With one stage
+the schedule is the plain loop: forward j, backward j. `optimizer.distributed` shards AdamW's state
+(training/distributed_optimizer.py); it then syncs and clips the gradients itself.
+
 Precision: fp32, or bf16 autocast around the forward with fp32 master weights (parameters,
 gradients and optimizer state stay fp32).
 """
@@ -30,6 +36,7 @@ from megatron_moe.data.batches import Batch, collate, global_batch, rank_micro_b
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.launch import pick_backend
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
 from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
 from megatron_moe.moe.stats import IterationMoEStats
@@ -38,6 +45,9 @@ from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
+from megatron_moe.training.pipeline import ChunkOutput, PipelineRunner
+from megatron_moe.training.pipeline_schedules import expected_bubble
+from megatron_moe.model.transformer import is_moe_layer
 from megatron_moe.perf.calibrate import resolve_hardware_profile
 
 
@@ -49,6 +59,8 @@ def training_device(cfg: Config) -> torch.device:
 
 # per-MoE-layer time columns of `IterationMoEStats.timing`, in metrics.jsonl (ms)
 TIMING_KEYS = ("plan_ms", "trans_exposed_ms", "trans_total_ms", "agg_exposed_ms", "agg_total_ms")
+# communication of an iteration that runs after its byte / time snapshot (vExpert moves, ZeRO's all-gather)
+LATE_KINDS = (MOVE_KIND, PARAM_KIND)
 
 
 class Trainer:
@@ -65,16 +77,24 @@ class Trainer:
         self.cfg, self.state = cfg, state
         torch.manual_seed(tr.seed + state.dp.rank)  # same stream on TP ranks, distinct per data replica
         self.model = model_cls(cfg, state).to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, state)
         self.lr_schedule = LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
-        self.grads = GradSync(list(self.model.named_parameters()), state)
+        if isinstance(self.optimizer, DistributedOptimizer):
+            self.grads = self.optimizer  # reduce-scatters into its shards, norm and clip over them
+        else:
+            self.grads = GradSync(list(self.model.named_parameters()), state)
         self.train_data, self.valid_data = datasets(cfg)
-        self.has_binary_head = False  # set by the first forward (BERT's sentence-order / next-sentence head)
+        self.has_binary_head = self.model.has_binary_loss  # BERT's sentence-order / next-sentence head
         self.num_micro_batches = tr.global_batch_size // (tr.micro_batch_size * state.dp_size)  # per rank
         self.timer = PhaseTimer(self.device)  # forward / backward / optimizer seconds of the iteration
+        self.pipeline = PipelineRunner(cfg, state, self.device, self.timer)
+        self.first_of_last_stage = (state.pp_size - 1) * state.layout.stage_size  # rank 0 without pipeline stages
+        # any stage's MoE layers hold vExpert slots (their metrics are gathered over the stages)
+        self.uses_vexperts = self.any_stage(any(layer.experts.slot_table is not None
+                                                for layer in self.model.moe_layers()))
         self.skipped_iterations = 0  # non-finite updates dropped (training.on_nonfinite=skip)
         self.routed_per_source = None  # Long[dp, moe layers, E + 1] of the last iteration: counts | dropped
-        self.vexpert_slots = None  # per MoE layer Int[ep, V]: the vExpert placement after the last iteration
+        self.vexpert_slots = None  # per MoE layer (index, Int[ep, V]): the vExpert placement after the last iteration
         self.latest_moe = None  # IterationMoEStats of the last train_step (step_details reduces it)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if tr.precision == "bf16" else contextlib.nullcontext())
@@ -87,9 +107,15 @@ class Trainer:
                                    self.state.dp_size, self.state.dp.rank)
         return [{k: t.to(self.device) for k, t in collate(dataset, p).items()} for p in parts]
 
+    def any_stage(self, flag: bool) -> bool:
+        """Collective over ``pp``: is `flag` true on some pipeline stage?"""
+        return bool(collectives.all_reduce(torch.tensor([float(flag)], device=self.device), self.state.pp, op="max"))
+
     def mean_over_dp(self, local_sums: torch.Tensor, count_per_rank: int) -> List[float]:
-        """Per-rank sums over micro-batches -> means over all data-parallel micro-batches."""
-        total = collectives.all_reduce(local_sums.detach().double().clone(), self.state.dp)
+        """Per-rank sums over micro-batches (each pipeline stage its part) -> means over all
+        data-parallel micro-batches."""
+        total = collectives.all_reduce(local_sums.detach().double().clone(), self.state.pp)
+        total = collectives.all_reduce(total, self.state.dp)
         return (total / (count_per_rank * self.state.dp_size)).tolist()
 
     # -- one iteration --------------------------------------------------------------------------
@@ -97,27 +123,39 @@ class Trainer:
         """Accumulate gradients of global batch `index` (0-based). Returns this rank's
         ([lm_loss, aux_loss, binary_loss] sums over its micro-batches, MoE stats summed over them or None)."""
         sums = torch.zeros(3, device=self.device)
-        moe = None
-        for batch in self.micro_batches(self.train_data, index):
-            with self.timer("forward"), self.autocast:
-                out = self.model(**batch)
+        batches = self.micro_batches(self.train_data, index)
+        stats: Dict[int, list] = {}  # micro-batch -> its MoE layers' stats, chunk after chunk
+        zero = torch.zeros((), device=self.device)
+
+        def forward_step(chunk: int, mb: int, hidden: Optional[torch.Tensor]) -> ChunkOutput:
+            with self.autocast:
+                out = self.model(**batches[mb], chunk=chunk, hidden=hidden)
+            stats.setdefault(mb, []).extend(out.moe_stats)
+            if out.hidden is not None:  # a chunk before the model's last: its aux losses only
+                sums[1] += out.aux_loss.detach().float()
+                return ChunkOutput(out.hidden, out.aux_loss / self.num_micro_batches)
             lm_loss = out.lm_loss
-            if index + 1 == self.cfg.training.inject_nan_at and self.state.rank == 0:
+            if index + 1 == self.cfg.training.inject_nan_at and self.state.rank == self.first_of_last_stage:
                 lm_loss = lm_loss * float("nan")  # test-only hook (training.inject_nan_at)
-            binary_loss = out.binary_loss if out.binary_loss is not None else torch.zeros((), device=self.device)
-            with self.timer("backward"), collectives.backward_phase():
-                ((lm_loss + out.aux_loss + binary_loss) / self.num_micro_batches).backward()
-            sums += torch.stack([lm_loss.detach().float(), out.aux_loss.detach().float(),
-                                 binary_loss.detach().float()])
-            self.has_binary_head = out.binary_loss is not None
-            if out.moe_stats:
-                stats = IterationMoEStats.of(out.moe_stats)
-                moe = stats if moe is None else moe + stats
+            binary_loss = out.binary_loss if out.binary_loss is not None else zero
+            sums.add_(torch.stack([lm_loss.detach().float(), out.aux_loss.detach().float(),
+                                   binary_loss.detach().float()]))
+            return ChunkOutput(None, (lm_loss + out.aux_loss + binary_loss) / self.num_micro_batches)
+
+        self.pipeline.run(self.pipeline.train_program, forward_step)
+        moe = None
+        for mb in sorted(stats):
+            if stats[mb]:
+                one = IterationMoEStats.of(stats[mb])  # after backward: Agg's times are in
+                moe = one if moe is None else moe + one
         return sums, moe
 
     def moe_metrics(self, moe: Optional[IterationMoEStats]) -> Record:
         """Per-MoE-layer load metrics of the iteration (same on every rank); keeps the per-source
         counts in `routed_per_source` for routing traces and the heatmap."""
+        if self.state.pp_size > 1:  # every stage's layers, so that the reductions below see them all
+            moe = IterationMoEStats.across_stages(moe, [layer.layer_index for layer in self.model.moe_layers()],
+                                                  self.state.pp)
         if moe is None:
             return {"expert_load_imbalance": [], "moe_replicas": [], **{key: [] for key in TIMING_KEYS}}
         # each ep_esp group counted its own tokens; sum the groups
@@ -136,24 +174,31 @@ class Trainer:
                 **{key: timing[:, j].tolist() for j, key in enumerate(TIMING_KEYS)}}
 
     def vexpert_metrics(self, moe_layers, moves: List[int]) -> Record:
-        """Per MoE layer: vExpert primitives executed after this iteration's step; over the run and
-        all layers: how many of each kind (FlexMoE's Expand / Shrink / Migrate)."""
+        """Per MoE layer (of every pipeline stage): vExpert primitives executed after this
+        iteration's step; over the run and all layers: how many of each kind (FlexMoE's Expand /
+        Shrink / Migrate)."""
+        layers = [(layer.layer_index, n, getattr(layer.balancer, "ops_total", {}), layer.experts.slot_table.slots.copy())
+                  for layer, n in zip(moe_layers, moves)]
+        if self.state.pp_size > 1:
+            layers = sorted(row for rows in collectives.all_gather_object(layers, self.state.pp) for row in rows)
         totals: Dict[str, int] = {}
-        for layer in moe_layers:
-            for kind, n in getattr(layer.balancer, "ops_total", {}).items():
+        for _, _, ops, _ in layers:
+            for kind, n in ops.items():
                 totals[kind] = totals.get(kind, 0) + n
-        self.vexpert_slots = [layer.experts.slot_table.slots.copy() for layer in moe_layers]
-        return {"vexpert_moves": moves, "vexpert_ops_total": totals}
+        self.vexpert_slots = [(index, slots) for index, _, _, slots in layers]
+        return {"vexpert_moves": [n for _, n, _, _ in layers], "vexpert_ops_total": totals}
 
     def memory_metrics(self) -> Record:
-        """Peak memory so far, MB, {"rank<r>": MB} over the world: resident set size
-        (`max_rss_mb`) and, on CUDA, the allocator's peak (`cuda_peak_mb`)."""
-        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux: KB
+        """Memory, MB, {"rank<r>": MB} over the world: the optimizer state this rank holds
+        (`optimizer_state_mb`: AdamW's moments, sharded with `optimizer.distributed`), peak resident
+        set size so far (`max_rss_mb`) and, on CUDA, the allocator's peak (`cuda_peak_mb`)."""
+        peaks = [optimizer_state_bytes(self.optimizer) / 2 ** 20,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux: KB
         if self.device.type == "cuda":
             peaks.append(torch.cuda.max_memory_allocated(self.device) / 2 ** 20)
         gathered = collectives.all_gather(torch.tensor([peaks], dtype=torch.float64, device=self.device),
-                                          self.state.world, kind="stats").cpu()  # [world, 1 or 2]
-        keys = ("max_rss_mb", "cuda_peak_mb")[: gathered.shape[1]]
+                                          self.state.world, kind="stats").cpu()  # [world, 2 or 3]
+        keys = ("optimizer_state_mb", "max_rss_mb", "cuda_peak_mb")[: gathered.shape[1]]
         return {key: {f"rank{r}": round(v, 1) for r, v in enumerate(gathered[:, j].tolist())}
                 for j, key in enumerate(keys)}
 
@@ -187,13 +232,11 @@ class Trainer:
             self.skipped_iterations += 1
         # vExperts: FlexMoE / EPLB move slots (weights + AdamW moments) between iterations
         moves = [layer.balancer.after_optimizer_step(iteration, self.optimizer) for layer in moe_layers]
-        vexperts = {}
-        if any(layer.experts.slot_table is not None for layer in moe_layers):
-            vexperts = self.vexpert_metrics(moe_layers, moves)
-            after = collectives.COMM_STATS.bytes_by_kind()  # the moves ran after the snapshot above
-            comm_bytes.update({k: v for k, v in after.items() if k == MOVE_KIND})
-            for key, seconds in collectives.COMM_STATS.seconds_by_kind().items():
-                comm_times[key].update({k: v for k, v in seconds.items() if k == MOVE_KIND})
+        vexperts = self.vexpert_metrics(moe_layers, moves) if self.uses_vexperts else {}
+        after = collectives.COMM_STATS.bytes_by_kind()  # the moves and the all-gather ran after the snapshot above
+        comm_bytes.update({k: v for k, v in after.items() if k in LATE_KINDS})
+        for key, seconds in collectives.COMM_STATS.seconds_by_kind().items():
+            comm_times[key].update({k: v for k, v in seconds.items() if k in LATE_KINDS})
         self.latest_moe = moe  # for `step_details`
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -216,9 +259,25 @@ class Trainer:
 
     def step_details(self) -> Record:
         """Collective: the latest `train_step`'s metrics that need other ranks' numbers (per-layer
-        MoE loads, replicas and timings; peak memory per rank). The loop asks only on iterations
-        it logs (or traces / draws), so the other iterations run no metric collectives (issue #16)."""
-        return {**self.moe_metrics(self.latest_moe), **self.memory_metrics()}
+        MoE loads, replicas and timings; memory per rank; the pipeline bubble). The loop asks only on
+        iterations it logs (or traces / draws), so the other iterations run no metric collectives (issue #16)."""
+        return {**self.moe_metrics(self.latest_moe), **self.memory_metrics(), **self.pipeline_metrics()}
+
+    def pipeline_metrics(self) -> Record:
+        """With pipeline stages: the latest iteration's bubble, 1 - compute / the slowest stage's
+        schedule time, averaged over the ranks (`pipeline_bubble`), the ideal schedule's, and each
+        rank's forward / backward compute ms in the schedule (`pipeline_compute_ms`)."""
+        if self.state.pp_size == 1:
+            return {}
+        par = self.cfg.parallel
+        wall = collectives.all_reduce(torch.tensor([self.pipeline.wall], device=self.device), self.state.pp, op="max")
+        bubble = collectives.all_reduce(1.0 - self.pipeline.busy / wall.double(), self.state.world)
+        compute = torch.tensor([[self.timer.seconds.get(k, 0.0) * 1e3 for k in ("forward", "backward")]],
+                               dtype=torch.float64, device=self.device)
+        compute = collectives.all_gather(compute, self.state.world, kind="stats").cpu()  # [world, 2]
+        return {"pipeline_bubble": float(bubble) / self.state.world_size,
+                "pipeline_bubble_ideal": expected_bubble(par.pipeline, self.num_micro_batches, par.virtual_stages),
+                "pipeline_compute_ms": {f"rank{r}": [round(v, 2) for v in row] for r, row in enumerate(compute.tolist())}}
 
     @torch.no_grad()
     def evaluate(self) -> Record:
@@ -226,9 +285,16 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(1, device=self.device)
         for index in range(self.cfg.training.eval_iters):
-            for batch in self.micro_batches(self.valid_data, index):
+            batches = self.micro_batches(self.valid_data, index)
+
+            def forward_step(chunk: int, mb: int, hidden: Optional[torch.Tensor]) -> ChunkOutput:
                 with self.autocast:
-                    total += self.model(**batch).lm_loss.float()
+                    out = self.model(**batches[mb], chunk=chunk, hidden=hidden)
+                if out.hidden is None:
+                    total.add_(out.lm_loss.float())
+                return ChunkOutput(out.hidden, None)
+
+            self.pipeline.run(self.pipeline.eval_program, forward_step, training=False)
         self.model.train()
         (loss,) = self.mean_over_dp(total, self.cfg.training.eval_iters * self.num_micro_batches)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
@@ -314,7 +380,7 @@ class Trainer:
         from megatron_moe.moe.routing_trace import RoutingTraceWriter
 
         moe = self.cfg.moe
-        layers = [layer.layer_index for layer in self.model.moe_layers()]
+        layers = [i for i in range(self.cfg.model.num_layers) if is_moe_layer(i, moe.layer_freq)]
         return RoutingTraceWriter(os.path.join(self.cfg.training.run_dir, "routing"), {
             "num_moe_layers": len(layers), "moe_layer_indices": layers, "num_sources": self.state.dp_size,
             "num_experts": moe.num_experts, "top_k": moe.top_k,
@@ -341,6 +407,6 @@ class Trainer:
             if self.vexpert_slots is not None:
                 from megatron_moe.moe.load_plots import placement_figure
 
-                for layer, slots in zip(self.model.moe_layers(), self.vexpert_slots):
-                    metrics.image(f"vexperts/layer{layer.layer_index}",
-                                  figure_rgb(placement_figure(slots, layer.layer_index, iteration)), iteration)
+                for layer_index, slots in self.vexpert_slots:
+                    metrics.image(f"vexperts/layer{layer_index}",
+                                  figure_rgb(placement_figure(slots, layer_index, iteration)), iteration)

@@ -42,7 +42,8 @@ def test_run_local_usage_errors(args):
 @pytest.mark.parametrize("nproc,override,needle", [
     ("2", "parallel.expert=3", "parallel.expert=3 does not divide moe.num_experts=8"),
     ("3", "parallel.expert=2", "does not divide the 3 ranks"),  # checked with the launch's world size
-], ids=["expert3", "world3"])
+    ("4", "parallel.pipeline=3", "world size 4 is not divisible by parallel.tensor*parallel.pipeline=1*3"),
+], ids=["expert3", "world3", "pipeline3"])
 def test_run_local_config_error_once_before_any_worker(nproc, override, needle):
     """The script validates the config once (`--check-config --world-size NPROC`) and never starts
     torchrun: one line, exit 2, no torchrun failure report."""

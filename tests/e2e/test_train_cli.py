@@ -115,7 +115,9 @@ def reference(tmp_path_factory):
     # (s2 + SAA end to end: tests/e2e/test_vexperts.py, tp2-ep2-esp2, 20 iterations)
     (4, ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",
          "perf.hardware_profile=configs/hardware/parm_testbed_b.yaml"]),
-], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2", "tp2-s1-compile", "tp2-ep2-auto"])
+    # pipeline stages (one layer each) + ZeRO-1 over data parallel 2 (tests/distributed/test_pipeline.py: more)
+    (4, ["parallel.pipeline=2", "parallel.expert=2", "optimizer.distributed=true"]),
+], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2", "tp2-s1-compile", "tp2-ep2-auto", "pp2-ep2-zero"])
 def test_layout_invariance(reference, nproc, layout, tmp_path):
     records, _ = train(nproc, INVARIANCE + layout, tmp_path)
     assert [r["iteration"] for r in records] == [r["iteration"] for r in reference] == [1, 2, 3, 4]
@@ -126,8 +128,9 @@ def test_layout_invariance(reference, nproc, layout, tmp_path):
         assert got["lr"] == ref["lr"]
     assert reference[-1]["loss"] != reference[0]["loss"]  # the runs did train
     assert any(v > 0 for v in records[0]["comm_bytes"].values())
-    # every MoE layer logs which schedule its forwards ran (auto: the one Parm Alg. 1 picked)
-    micro_batches = 8 // (nproc // 2 if "parallel.tensor=2" in layout else nproc)
+    # every MoE layer (of every pipeline stage) logs which schedule its forwards ran (auto: the one
+    # Parm Alg. 1 picked), once per micro-batch of a data-parallel rank
+    micro_batches = 8 // (nproc // (2 if "parallel.tensor=2" in layout else 1) // (2 if "parallel.pipeline=2" in layout else 1))
     expected = {"moe.schedule=s1": {"s1"}, "moe.schedule=s2": {"s2"}, "moe.schedule=auto": {"s1", "s2"}}
     names = next((v for k, v in expected.items() if k in layout), {"baseline"})
     for per_layer in (r["moe_schedule"] for r in records):

@@ -39,7 +39,21 @@ def test_unknown_keys_and_wrong_types(overrides, needle):
     (["parallel.expert_shard=2", "model.ffn_hidden_size=6", "moe.expert_ffn_hidden_size=5"], 2,
      ["parallel.expert_shard", "moe.expert_ffn_hidden_size"]),
     (["training.global_batch_size=6", "training.micro_batch_size=2"], 2, ["training.global_batch_size"]),
-    (["parallel.pipeline=2"], 2, ["parallel.pipeline"]),
+    # pipeline stages (model/pipeline_stages.py, training/pipeline_schedules.py)
+    (["parallel.pipeline=2", "model.num_layers=3"], 2, ["model.num_layers=3", "parallel.pipeline"]),
+    (["parallel.pipeline=2"], 3, ["parallel.pipeline"]),
+    (["parallel.pipeline=2", "parallel.virtual_stages=2"], 2, ["parallel.virtual_stages=2", "parallel.pipeline_schedule"]),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved"], 2, ["parallel.pipeline_schedule=interleaved",
+                                                                          "parallel.virtual_stages"]),
+    (["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4"], 1,
+     ["parallel.pipeline_schedule=interleaved", "parallel.pipeline"]),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
+      "model.num_layers=4", "training.global_batch_size=6", "training.micro_batch_size=2"], 2,
+     ["parallel.pipeline_schedule=interleaved", "parallel.pipeline=2", "training.global_batch_size"]),
+    (["parallel.pipeline=2", "parallel.pipeline_layers=[1,2]"], 2, ["parallel.pipeline_layers", "model.num_layers=2"]),
+    (["parallel.pipeline=2", "parallel.pipeline_layers=[2,0]"], 2, ["parallel.pipeline_layers", ">= 1"]),
+    (["parallel.pipeline_schedule=gpipe"], 1, ["parallel.pipeline_schedule", "1f1b"]),
+    (["optimizer.distributed=true", "moe.balancer=flexmoe"], 1, ["optimizer.distributed", "moe.balancer=flexmoe"]),
     (["moe.schedule=nope"], 1, ["moe.schedule", "baseline"]),
     (["moe.top_k=5", "moe.num_experts=4"], 1, ["moe.top_k"]),
     (["model.normalization=batchnorm"], 1, ["model.normalization"]),
@@ -55,7 +69,11 @@ def test_impossible_combinations(overrides, world, needles):
 
 def test_valid_layouts_pass():
     for world, ov in [(1, []), (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
-                      (8, ["parallel.expert=4", "parallel.expert_shard=2"])]:
+                      (8, ["parallel.expert=4", "parallel.expert_shard=2"]),
+                      (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.expert=2", "optimizer.distributed=true"]),
+                      (4, ["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
+                           "model.num_layers=4"]),
+                      (2, ["parallel.pipeline=2", "model.num_layers=3", "parallel.pipeline_layers=[1,2]"])]:
         validate_config(load_config("configs/gpt_moe_tiny.yaml", ov), world)
 
 

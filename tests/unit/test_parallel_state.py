@@ -47,7 +47,7 @@ def test_expert_only_with_data_parallel():
 def test_groups_partition_world_and_coords_agree(world, tp, ep, esp):
     lay = RankLayout(world_size=world, tensor=tp, expert=ep, expert_shard=esp)
     expected_size = {"tp": tp, "dp": world // tp, "pp": 1, "ep": ep, "esp": esp, "ep_esp": ep * esp,
-                     "edp": world // (ep * esp), "world": world}
+                     "edp": world // (ep * esp), "embedding": 1, "world": world}
     for name in GROUP_NAMES:
         groups = lay.groups(name)
         assert sorted(r for g in groups for r in g) == list(range(world)), name
@@ -61,3 +61,22 @@ def test_groups_partition_world_and_coords_agree(world, tp, ep, esp):
     # tp is the fastest dense index; esp the fastest expert index
     assert lay.coords(1)["tp"] == (1 if tp > 1 else 0)
     assert lay.coords(1)["esp"] == (1 if esp > 1 else 0)
+
+
+def test_pipeline_stages_prepend_the_stage():
+    """rank = pp_rank * stage_size + local; every other group lies inside one stage; the embedding
+    group pairs the first and the last stage's rank of one local rank (middle stages: alone)."""
+    lay = RankLayout(world_size=8, tensor=2, pipeline=2, expert=2)
+    assert lay.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("embedding") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("edp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.data_parallel == 2 and lay.stage_size == 4
+    lay = RankLayout(world_size=8, tensor=2, pipeline=4)
+    assert lay.groups("pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.groups("embedding") == [[0, 6], [1, 7], [2], [3], [4], [5]]
+    for name in GROUP_NAMES:
+        for g in lay.groups(name):
+            assert [lay.coords(r)[name] for r in g] == list(range(len(g))), (name, g)

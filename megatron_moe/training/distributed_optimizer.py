@@ -1,0 +1,255 @@
+"""Distributed optimizer, ZeRO stage 1 (`optimizer.distributed: true`; Rajbhandari et al., "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", SC'20, §5.1 P_os; Megatron-LM's
+DistributedOptimizer).
+
+AdamW's state is sharded over the replicas of each parameter: over ``dp`` for dense parameters, over
+``edp`` for expert parameters (the ranks holding the same expert shard). The parameters of one
+replica group with the same weight decay, dtype, device and norm key are one flat buffer [N], padded
+to a multiple of the group size r; member i owns elements [i N / r, (i + 1) N / r). The model's
+parameters become views into that buffer, and this rank's slice of it is what AdamW steps: the fp32
+master weights are the parameters themselves (they are fp32 under bf16 autocast too), so only the
+moments are held per shard. One iteration:
+
+1. backward accumulates full gradients into one flat gradient buffer per flat parameter buffer
+   (the parameters' `.grad` are views into it, set by `zero_grad`);
+2. `GradSync(replicas=False)` averages over the compute groups (tp / esp) and sums the tied
+   embedding's copies (training/grads.py);
+3. each flat gradient is reduce-scattered over its replica group and scaled by 1 / dp_size: this
+   rank's shard of the global-batch mean gradient (kind `grad_reduce_scatter`);
+4. the global grad norm adds each shard element once (over the replica group, the groups the
+   parameters are sharded over, and ``pp``); clipping scales the shards;
+5. AdamW (torch's fused kernel) steps the shards: element-wise, so the same numbers as a full update;
+6. each flat parameter buffer is all-gathered over its replica group (kind `param_all_gather`).
+
+Exact: step 3 sums the numbers the all-reduce sums; step 5 is element-wise.
+Memory: the moments take 8 bytes per parameter element / r (+ padding) instead of 8.
+
+Checkpoints (training/checkpoint.py): `sharded_states` cuts each parameter's part of this rank's
+shard into boxes of the parameter's shape (`flat_range_boxes`), saved under the same global names
+and offsets as unsharded moments: any layout, sharded or not, loads any other.
+vExpert balancers (FlexMoE, EPLB) move AdamW state between ranks: refused by the config check.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron_moe.config.schema import OptimizerConfig
+from megatron_moe.distributed import collectives
+from megatron_moe.distributed.parallel_state import Group, ParallelState
+from megatron_moe.training.grads import GradSync, REPLICA_GROUP, counts_in_norm, reduce_squared_norms
+from megatron_moe.training.optimizer import DECAYED_ROLES, fused_ok
+
+GRAD_KIND = "grad_reduce_scatter"
+PARAM_KIND = "param_all_gather"
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) inside a tensor
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> List[Box]:
+    """Elements [start, stop) of a row-major tensor of `shape` as few boxes (offsets, sizes), in
+    order; each box is a contiguous run of the flat tensor."""
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, o0), (r1, o1) = divmod(start, inner), divmod(stop, inner)
+    if r0 == r1:
+        return [((r0,) + off, (1,) + size) for off, size in flat_range_boxes(shape[1:], o0, o1)]
+    boxes = []
+    if o0:
+        boxes += [((r0,) + off, (1,) + size) for off, size in flat_range_boxes(shape[1:], o0, inner)]
+        r0 += 1
+    if r1 > r0:
+        boxes.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + shape[1:]))
+    if o1:
+        boxes += [((r1,) + off, (1,) + size) for off, size in flat_range_boxes(shape[1:], 0, o1)]
+    return boxes
+
+
+def _ravel(offsets: Sequence[int], shape: Sequence[int]) -> int:
+    index = 0
+    for o, n in zip(offsets, shape):
+        index = index * n + o
+    return index
+
+
+@dataclass
+class _FlatGroup:
+    """Parameters viewed as one flat buffer, sharded over a replica group."""
+
+    names: List[str]
+    params: List[torch.nn.Parameter]
+    group: Group
+    norm_key: Tuple[str, ...]
+    decay: bool
+    starts: List[int] = field(default_factory=list)  # each parameter's offset in the flat buffer
+    flat: torch.Tensor = None  # [N padded]
+    grad: torch.Tensor = None  # [N padded]: the parameters' .grad are views into it
+    shard: torch.nn.Parameter = None  # flat[lo:hi], what AdamW steps
+    lo: int = 0
+    hi: int = 0
+
+    def build(self) -> None:
+        self.starts = [0]
+        for p in self.params:
+            self.starts.append(self.starts[-1] + p.numel())
+        total = self.starts.pop()
+        size = -(-total // self.group.size) * self.group.size
+        p0 = self.params[0]
+        # filled parameter by parameter, each old tensor freed as it goes (no second copy of them all)
+        self.flat = torch.empty(size, dtype=p0.dtype, device=p0.device)
+        self.flat[total:].zero_()
+        with torch.no_grad():
+            for p, start in zip(self.params, self.starts):
+                self.flat[start: start + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat[start: start + p.numel()].view_as(p)
+        self.grad = torch.zeros_like(self.flat)
+        per_rank = size // self.group.size
+        self.lo, self.hi = self.group.rank * per_rank, (self.group.rank + 1) * per_rank
+        self.shard = torch.nn.Parameter(self.flat[self.lo: self.hi])
+
+    def pieces(self):
+        """(parameter index, its local flat range [a, b) inside this rank's shard) for every
+        parameter that has elements in the shard."""
+        for i, (p, start) in enumerate(zip(self.params, self.starts)):
+            a, b = max(start, self.lo), min(start + p.numel(), self.hi)
+            if a < b:
+                yield i, a - start, b - start
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's shards (module docstring). The trainer calls `sync()`, `clip()`,
+    `step()` where it calls GradSync's and the optimizer's; `param_groups` carry the lr."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, state: ParallelState):
+        self.state = state
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.grad_sync = GradSync(named, state, replicas=False)
+        buckets: Dict[tuple, _FlatGroup] = {}
+        for name, p in named:
+            assert not hasattr(p, "vexpert_slots"), "optimizer.distributed with vExperts: validate the config first"
+            replica = state.groups[REPLICA_GROUP[p.meta.kind]]
+            norm_key = tuple(sorted({g for g in p.meta.sharded_groups() + [replica.name]
+                                     if state.groups[g].size > 1}))
+            decay = p.meta.role in DECAYED_ROLES
+            key = (replica.name, decay, p.dtype, str(p.device), norm_key)
+            if key not in buckets:
+                buckets[key] = _FlatGroup([], [], replica, norm_key, decay)
+            buckets[key].names.append(name)
+            buckets[key].params.append(p)
+        self.flats = list(buckets.values())
+        for flat in self.flats:
+            flat.build()
+        shards = [f.shard for f in self.flats]
+        self.adam = torch.optim.AdamW(
+            [{"params": [f.shard for f in self.flats if f.decay], "weight_decay": cfg.weight_decay},
+             {"params": [f.shard for f in self.flats if not f.decay], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+            fused=True if fused_ok(shards) else None)
+
+    @property
+    def param_groups(self):
+        return self.adam.param_groups
+
+    @property
+    def state_tensors(self):
+        """AdamW's per-shard state (`optimizer.state` of a torch optimizer)."""
+        return self.adam.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers; backward accumulates into the parameters' views of them."""
+        for flat in self.flats:
+            flat.shard.grad = None
+            flat.grad.zero_()
+            for p, start in zip(flat.params, flat.starts):
+                p.grad = flat.grad[start: start + p.numel()].view_as(p)
+
+    # -- gradients ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Steps 2-3: compute-group averages and tied sums, then this rank's reduce-scattered shard
+        (the full gradient buffer is scratch afterwards: the reduction may run in it)."""
+        self.grad_sync.sync()
+        for flat in self.flats:
+            shard = collectives.reduce_scatter(flat.grad, flat.group, kind=GRAD_KIND, overwrite=True)
+            flat.shard.grad = shard.mul_(1.0 / self.state.dp_size)
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        squared: Dict[Tuple[str, ...], torch.Tensor] = {}
+        device = self.flats[0].flat.device if self.flats else torch.device("cpu")
+        for flat in self.flats:
+            grad = flat.shard.grad.float()
+            total = squared.get(flat.norm_key, torch.zeros((), device=device))
+            for i, a, b in flat.pieces():
+                if counts_in_norm(flat.params[i]):
+                    start = flat.starts[i] - flat.lo
+                    total = total + grad[start + a: start + b].pow(2).sum()
+            squared[flat.norm_key] = total
+        return reduce_squared_norms(squared, self.state, device)
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> float:
+        """Step 4: scale the shards' gradients to a global norm of at most `max_norm` (0 = off);
+        returns the norm before clipping."""
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_([f.shard.grad for f in self.flats], coef)
+        return norm
+
+    # -- update ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Steps 5-6: AdamW on the shards, then every rank gets every replica-group member's shard."""
+        self.adam.step()
+        for flat in self.flats:
+            if flat.group.size > 1:
+                collectives.all_gather(flat.shard.detach().clone(), flat.group, kind=PARAM_KIND, out=flat.flat)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def reset_state(self) -> None:
+        """Zero moments and step 0 for every shard (what a checkpoint's moments are loaded into)."""
+        for flat in self.flats:
+            self.adam.state[flat.shard] = {
+                "step": torch.zeros((), dtype=torch.float32, device=flat.flat.device),
+                "exp_avg": torch.zeros_like(flat.shard), "exp_avg_sq": torch.zeros_like(flat.shard)}
+
+    def sharded_states(self) -> Dict[str, dict]:
+        """{parameter name: {"exp_avg" | "exp_avg_sq": [(box view, local offsets)], "step": scalar}}:
+        this rank's part of each parameter's moments, as boxes of the parameter's local shape (views
+        into the shard state: loading into them fills it). `load_steps` takes the steps back."""
+        if not all(flat.shard in self.adam.state for flat in self.flats):
+            self.reset_state()
+        out: Dict[str, dict] = {}
+        self._steps = {}
+        for flat in self.flats:
+            st = self.adam.state[flat.shard]
+            for name in flat.names:
+                self._steps[name] = st["step"].detach().reshape(()).float().clone()
+                out[name] = {"exp_avg": [], "exp_avg_sq": [], "step": self._steps[name]}
+            for i, a, b in flat.pieces():
+                p, base = flat.params[i], flat.starts[i] - flat.lo
+                for offsets, sizes in flat_range_boxes(p.shape, a, b):
+                    begin = base + _ravel(offsets, p.shape)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        view = st[key][begin: begin + math.prod(sizes)].view(sizes)
+                        out[flat.names[i]][key].append((view, offsets))
+        return out
+
+    def load_steps(self) -> None:
+        """After loading `sharded_states`' tensors: each shard's step from its first parameter's."""
+        for flat in self.flats:
+            self.adam.state[flat.shard]["step"].copy_(self._steps[flat.names[0]])
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank holds (AdamW moments and steps)."""
+    states = optimizer.state_tensors if isinstance(optimizer, DistributedOptimizer) else optimizer.state
+    return sum(t.numel() * t.element_size() for st in states.values() for t in st.values() if torch.is_tensor(t))
