@@ -223,3 +223,22 @@ def test_grouped_gemm_benchmark_compares_the_dw_kernels():
     results = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
     assert set(results["8x256x8x16"]["ms"]) == {"autograd", "padded", "native_temp", "per_group", "chosen"}
     assert results["64x64x8x16"]["padding_pays"] and not results["8x256x8x16"]["padding_pays"]  # 1 vs 32 rows a group
+
+
+def test_pipeline_benchmark_reports_the_bubble_next_to_its_formula():
+    """benchmarks/pipeline.py (issue #14): 1F1B and interleaved rows on 2 stages, each with the
+    ideal bubble (p-1)/(vm+p-1), the measured and simulated ones, and the exact activation bytes."""
+    shape = ["--override", "model.hidden_size=32", "--override", "model.ffn_hidden_size=64", "--override",
+             "moe.expert_ffn_hidden_size=64", "--override", "model.seq_length=16", "--override", "model.num_layers=4"]
+    proc = subprocess.run([sys.executable, "benchmarks/pipeline.py", "--micro-batches", "2", "--iters", "2",
+                           "--warmup", "1", "--memory-nproc", "0", *shape], capture_output=True, text=True,
+                          timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["schedule"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["bubble"]}
+    assert rows["1f1b"]["bubble_ideal"] == pytest.approx(1 / 3, abs=1e-4)  # (2-1)/(2+2-1)
+    assert rows["interleaved"]["bubble_ideal"] == pytest.approx(1 / 5, abs=1e-4)  # (2-1)/(2*2+2-1)
+    activation = 2 * 16 * 32 * 4  # micro-batch 2 x seq 16 x hidden 32, fp32
+    assert rows["1f1b"]["pipeline_bytes_rank0"] == 2 * activation  # m activations forward
+    assert rows["interleaved"]["pipeline_bytes_rank0"] == 3 * 2 * activation  # two chunks' outputs + one's input grads
+    for row in rows.values():
+        assert 0.0 < row["bubble_measured"] < 1.0 and 0.0 < row["bubble_simulated"] < 1.0
