@@ -17,6 +17,7 @@ import time
 from typing import Dict, List
 
 import numpy as np
+import torch
 
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.sim.report import summarize
@@ -501,6 +502,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(EXPERIMENTS)}")
     p.add_argument("--out", default="docs/reproduce.md")
     args = p.parse_args(argv)
+    torch.set_num_threads(1)  # the planners' tensors are small: more threads only contend for the cores
     names = args.only.split(",") if args.only else list(EXPERIMENTS)
     unknown = set(names) - set(EXPERIMENTS)
     if unknown:

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from megatron_moe.config import ConfigError
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.sim.report import candidate_options, plot, summarize, write_json
@@ -51,6 +53,7 @@ def option_name(option) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(1)  # the planners' tensors are small: more threads only contend for the cores
     options = [re.split(r"[ ,]+", o.strip()) for o in args.option] or (candidate_options() if args.recommend else [[]])
     runs, skipped = {}, {}
     profile = load_profile(args.hardware)

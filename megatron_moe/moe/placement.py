@@ -70,10 +70,8 @@ class Placement:
                 raise ValueError(f"Placement: replicas of expert {e} must list a rank holding it first, once "
                                  f"each: {ranks}")
         pair_experts, pair_ranks = torch.tensor(pairs, dtype=torch.long).t()
-        allowed = torch.zeros(table.shape[1:], dtype=torch.bool)  # [E, ep]
-        allowed[pair_experts, pair_ranks] = True
-        # counts are >= 0: the largest over sources [E, ep] first (the table may be large)
-        if table.amax(0)[~allowed].any():
+        # the pairs are distinct: no other entry is nonzero iff they hold every nonzero entry
+        if torch.count_nonzero(table) != torch.count_nonzero(table[:, pair_experts, pair_ranks]):
             raise ValueError("Placement: routing_table sends tokens to a rank that is no replica")
         object.__setattr__(self, "_pairs", (pair_experts, pair_ranks))  # (expert, rank) in replica order
 

@@ -48,13 +48,9 @@ class SlotBalancer(Balancer):
         return self.experts.slot_table
 
     def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
-        slots = self.table.slots
-        held = np.zeros((self.num_experts, self.ep_size), dtype=bool)  # [E, ep]
-        ranks, cells = np.nonzero(slots >= 0)
-        held[slots[ranks, cells], ranks] = True
         counts_np = counts.long().numpy()
-        fractions = flexible_routing(counts_np, source_ep_ranks, slots)  # Alg. 3, Float[S, E, ep]
-        table = integer_routing(fractions, counts_np, held)
+        routing = flexible_routing(counts_np, source_ep_ranks, self.table.slots)  # Alg. 3, per (expert, holder)
+        table = integer_routing(routing.values, counts_np, routing.experts, routing.ranks, self.ep_size)
         return Placement.on_slots(table, [self.table.resident(q) for q in range(self.ep_size)])
 
     def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
