@@ -70,9 +70,8 @@ class Executed:
 
     @classmethod
     def of(cls, placement: Placement) -> "Executed":
-        table = placement.routing_table  # [S, E, ep]
-        rows = table.sum(1).numpy()
-        return cls(rows, rows.sum(0), table.sum(2).numpy(), placement.transient_replicas(), placement.num_replicas)
+        counts, rows = (t.numpy() for t in placement.source_rows())
+        return cls(rows, rows.sum(0), counts, placement.transient_replicas(), placement.num_replicas)
 
     @classmethod
     def owner_only(cls, counts: np.ndarray, ep: int) -> "Executed":

@@ -267,6 +267,7 @@ def test_integer_routing_random_flexible_routing():
         placement = Placement.on_slots(table, [SlotTable(slots, num_experts, 0).resident(q)
                                                for q in range(num_ranks)])
         assert int(placement.tokens_per_ep_rank().sum()) == int(counts.sum())
+        assert torch.equal(placement.source_rows()[1], table.sum(1))  # the pairs hold every row
 
 
 @pytest.mark.parametrize("seed", range(2))
