@@ -82,6 +82,21 @@ def test_pair_routing_and_cost_model_equal_the_dense_alg3(seed):
                                    rtol=1e-12, atol=1e-12)
 
 
+def test_alg2_expands_only_e0_and_returns_nothing_when_e0_cannot_help():
+    # Alg. 2 as printed: e0 = argmax cap_e (line 6), return {} unless the plan lowers Eq. 5 (lines
+    # 8-10). Expert 0 (20 tokens) already has a second vExpert on GPU 3, next to expert 3 (9).
+    # cap = [10, 11, 1, 9]: e0 = expert 1, on GPU 1 (11 tokens); the slowest GPU is 3 (9 + 10 = 19)
+    slots = np.array([[0, -1], [1, -1], [2, -1], [3, 0]])
+    counts = np.array([[5, 3, 1, 2], [5, 3, 0, 2], [5, 3, 0, 2], [5, 2, 0, 3]])
+    assert COMPUTE_ONLY.rank_times(counts, slots).tolist() == [10, 11, 1, 19]
+    # no Expand of expert 1 (nor Shrink of expert 0, the only e1, then Expand of 1) lowers GPU 3's 19
+    assert make_scheduling_plan(counts, slots, COMPUTE_ONLY) == []
+    assert schedule(counts, slots, COMPUTE_ONLY, threshold=1.1) == []  # Alg. 1 lines 5-6: break
+    # although a third vExpert of expert 0 (not e0) would: 20 / 3 tokens each, GPU 3 at 15.67
+    better = apply_ops(slots, [Expand(0, 0, 2, 1)])
+    assert COMPUTE_ONLY.step_time(counts, better) == pytest.approx(9 + 20 / 3)
+
+
 def test_cost_model_eq5_by_hand():
     model = FlexCostModel(seconds_per_token=1.0, seconds_per_token_sent=0.1)
     # GPU 0 computes 10 tokens, 4 from GPU 1: 10 + 4 x 4 x 0.1; GPU 1 computes 8, 3 remote: 8 + 1.2

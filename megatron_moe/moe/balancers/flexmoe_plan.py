@@ -25,6 +25,10 @@ Where this departs from the paper, and why:
     new vExpert and every GPU holding e1 for the shrink and keeps the cheapest (the paper leaves
     where open); e1 is the idlest expert other than e0 that still has two vExperts, and with a
     free slot an Expand alone is a candidate too (the paper's placements have no free slots);
+  * not a departure: Alg. 2 considers e0 = argmax cap_e only (line 6) and returns {} when no
+    plan for it lowers Eq. 5 (lines 8-10), so Alg. 1 stops (lines 5-6) once the slowest GPU holds
+    no vExpert of e0, even where expanding that GPU's own expert would gain; this follows the
+    paper as printed (docs/reproduce.md, FlexMoE, discusses what it does to Fig. 5);
   * Alg. 1 line 9 "Modify Expert Placement with Migrate" is made concrete as greedy swaps that
     move a vExpert of a replicated expert onto a GPU already holding that expert, while Eq. 5
     plus transfer cost predicts a gain (fewer GPUs to sync, or fewer tokens crossing GPUs);
@@ -255,8 +259,12 @@ def make_scheduling_plan(counts: np.ndarray, slots: np.ndarray, cost: FlexCostMo
     """Alg. 2. counts [G, E], slots [G, V] -> [Shrink(e1), Expand(e0)] (or [Expand(e0)] into a
     free slot), the cheapest by Eq. 5 + transfer cost, or [] when none beats the current t0.
 
-    e0 / e1: the expert with the most / fewest tokens per vExpert (cap_e = I_e / n_e, lines 3-6),
-    e1 among the others with >= 2 vExperts. Shrink comes first so its slot can take the Expand."""
+    t0: Eq. 5 of the current placement (line 2). e0 / e1: the expert with the most / fewest
+    tokens per vExpert (cap_e = I_e / n_e, lines 3-6), e1 among the others with >= 2 vExperts
+    (a Shrink must leave a copy). t1: Eq. 5 after the plan plus its transfer cost (line 7), for
+    every GPU that can take the new vExpert; the cheapest is returned if t1 < t0 (lines 8-9),
+    else [] (line 10). Only e0 is ever expanded. Shrink comes first so its slot can take the
+    Expand."""
     slots = np.asarray(slots)
     counts = _check_counts(counts, slots.shape[0])
     n = vexpert_counts(slots, counts.shape[1])  # [G, E]
