@@ -39,8 +39,10 @@ of the rows each computes (FlexMoE Eq. 6, summed over the ep_esp groups; last re
 0); `vexpert_moves`, `vexpert_move_bytes`: for flexmoe / eplb rows, the primitives executed
 between repetitions (every --vexpert-interval, untimed, weights only: no optimizer here) and the
 bytes rank 0 (and all ranks: `vexpert_move_bytes_all_ranks`) sent for them, over the whole run; their replicas' gradient all-reduce is timed
-(`before_grad_sync`); for auto rows the schedule Alg. 1 picked (last repetition). Rank 0 prints one JSON object on
-its last line. Default shapes are sized for 8 processes on 2 CPU cores.
+(`before_grad_sync`); for auto rows the schedule Alg. 1 picked (last repetition). The JSON's
+`routing_counts` are every data-parallel rank's routed assignments per expert before drops, per
+TP token piece ([dp][tp][E], S1's pieces): what the cluster simulator replays
+(`benchmarks/sim_validate.py`). Rank 0 prints one JSON object on its last line. Default shapes are sized for 8 processes on 2 CPU cores.
 """
 import argparse
 import json
@@ -56,6 +58,7 @@ from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.cross_layer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
+from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.moe.schedules.parm import Auto
 from megatron_moe.perf.calibrate import resolve_hardware_profile
 from megatron_moe.perf.timing import init_state, slowest_rank_seconds
@@ -389,13 +392,20 @@ def main(argv=None) -> int:
             results[name]["picked"] = picked[name]
     config = dict(vars(args), world_size=state.world_size, data_parallel=state.dp_size, device=str(device),
                   deepspeed_row=deepspeed_skipped or "present")
+    with torch.no_grad():  # every row routes alike: the baseline layer's router on this rank's tokens
+        ids = layers["baseline"].layers[0].router(x.view(-1, args.hidden)).expert_ids.cpu()
+    pieces = torch.stack([torch.bincount(p.flatten(), minlength=args.experts)
+                          for p in ids.split(even_split(ids.shape[0], state.tp_size))])  # [tp, E]
+    gathered = C.all_gather(pieces[None].to(device), state.world).cpu()  # [world, tp, E]
+    routing_counts = [gathered[next(r for r in range(state.world_size) if state.layout.coords(r)["dp"] == d)].tolist()
+                      for d in range(state.dp_size)]
     if state.rank == 0:
         for name, r in results.items():
             print(f"{name:28s} {r['ms_median']:9.2f} ms  x{r['speedup_vs_baseline']:.2f}  "
                   f"balance {r.get('balance_ratio', '-')}  replicas {r.get('replicas', '-')}", flush=True)
         if deepspeed_skipped:
             print(f"no deepspeed row: {deepspeed_skipped}", flush=True)
-        print(json.dumps({"config": config, "results": results}), flush=True)
+        print(json.dumps({"config": config, "results": results, "routing_counts": routing_counts}), flush=True)
     C.destroy_process_group(state)
     return 0
 

@@ -11,14 +11,21 @@ median over --reps of the slowest rank's time; alpha and beta come from a least-
 R^2 is written into the profile with the measured points. `moe.schedule: auto` and
 `moe.balancer: fastermoe` read it through `perf.hardware_profile` (without one they calibrate a
 smaller profile at start-up).
+
+--links also times every collective of the cluster simulator's `cluster` block (all-to-all,
+all-gather, all-reduce, point to point, broadcast, reduce) on all the ranks and writes it into
+the profile as inside-a-node links (docs/simulator.md): a calibrated profile for
+`tools/simulate.py` and `benchmarks/sim_validate.py`.
 """
+from dataclasses import replace
 import argparse
 import sys
 
 import torch
 
 from megatron_moe.distributed import collectives as C
-from megatron_moe.perf.calibrate import ExpertShape, fit_description, fit_profile, geometric_sizes, measure_points
+from megatron_moe.perf.calibrate import (ExpertShape, fit_description, fit_links, fit_profile, geometric_sizes,
+                                         measure_links, measure_points)
 from megatron_moe.perf.hardware import OPS, save_profile
 from megatron_moe.perf.timing import init_state
 
@@ -37,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="64,256,1024,4096", help="expert_compute: rows timed (comma-separated)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--links", action="store_true", help="also fit the simulator's cluster links on all ranks")
     p.add_argument("--name", default=None, help="profile name (default: from the output file)")
     p.add_argument("--out", required=True, help="profile YAML to write")
     args = p.parse_args(argv)
@@ -54,6 +62,8 @@ def main(argv=None) -> int:
     shape = ExpertShape(args.hidden, args.ffn // args.expert_shard, args.swiglu)
     points = measure_points(state, geometric_sizes(args.min_elements, args.max_elements, args.points), args.reps,
                             device, shape, args.rows, args.ops, progress=say)
+    links = measure_links(state, geometric_sizes(args.min_elements, args.max_elements, args.points), args.reps,
+                          device, progress=say) if args.links else None
     if state.rank == 0:
         name = args.name or args.out.rsplit("/", 1)[-1].rsplit(".", 1)[0]
         profile = fit_profile(name, points, fit_description(state, "tools/profile_comm.py", args.reps, shape),
@@ -62,6 +72,13 @@ def main(argv=None) -> int:
             f = getattr(profile, op)
             unit = "FLOP" if op == "expert_compute" else "element"
             say(f"{op:16s} alpha {f.alpha:.3e} s  beta {f.beta:.3e} s/{unit}  R^2 {f.r2 if f.r2 is not None else '-'}")
+        if links is not None:
+            profile = replace(profile, cluster=fit_links(links), fit=dict(profile.fit, link_points={
+                kind: {"x": [float(x) for x in xs], "seconds": [float(f"{t:.6g}") for t in ts]}
+                for kind, (xs, ts) in links.items()}))
+            for kind, link in profile.cluster.links.items():
+                say(f"link {kind:12s} alpha {link.intra.alpha:.3e} s  beta {link.intra.beta:.3e} s/element  "
+                    f"R^2 {link.intra.r2:.3f}")
         save_profile(profile, args.out)
         say(f"wrote {args.out}")
     C.destroy_process_group(state)

@@ -43,6 +43,16 @@ def owned_experts(q: int, num_experts: int, ep_size: int) -> List[int]:
     return list(range(q * per_rank, (q + 1) * per_rank))
 
 
+def owner_table(counts: torch.Tensor, ep_size: int) -> Tuple[Tuple[Tuple[int, ...], ...], torch.Tensor]:
+    """`Placement.owner_only`'s replicas and routing table, unchecked, for a policy to edit:
+    counts Long[S, E] -> ((owner(e),) per expert, Long[S, E, ep] with counts[s, e] at owner(e))."""
+    num_sources, num_experts = counts.shape
+    owners = torch.arange(num_experts) // (num_experts // ep_size)
+    table = torch.zeros(num_sources, num_experts, ep_size, dtype=torch.long)
+    table[:, torch.arange(num_experts), owners] = counts.long()
+    return tuple((q,) for q in owners.tolist()), table
+
+
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
     return t.cumsum(0) - t
 
@@ -71,21 +81,15 @@ class Placement:
                 raise ValueError(f"Placement: replicas of expert {e} must list a rank holding it first, once "
                                  f"each: {ranks}")
         pair_experts, pair_ranks = torch.tensor(pairs, dtype=torch.long).t()
-        allowed = torch.zeros(table.shape[1:], dtype=torch.bool)  # [E, ep]
-        allowed[pair_experts, pair_ranks] = True
-        # counts are >= 0: the largest over sources [E, ep] first (the table may be large)
-        if table.amax(0)[~allowed].any():
+        # the pairs are distinct: no other entry is nonzero iff they hold every nonzero entry
+        if torch.count_nonzero(table) != torch.count_nonzero(table[:, pair_experts, pair_ranks]):
             raise ValueError("Placement: routing_table sends tokens to a rank that is no replica")
         object.__setattr__(self, "_pairs", (pair_experts, pair_ranks))  # (expert, rank) in replica order
 
     @classmethod
     def owner_only(cls, counts: torch.Tensor, ep_size: int) -> "Placement":
         """Every expert computed by its owner: counts Long[S, E] -> routing_table[s, e, owner(e)]."""
-        num_sources, num_experts = counts.shape
-        owners = torch.arange(num_experts) // (num_experts // ep_size)
-        table = torch.zeros(num_sources, num_experts, ep_size, dtype=torch.long)
-        table[:, torch.arange(num_experts), owners] = counts.long()
-        return cls(tuple((q,) for q in owners.tolist()), table)
+        return cls(*owner_table(counts, ep_size))
 
     @classmethod
     def shadowed(cls, counts: torch.Tensor, ep_size: int, shadowed: Sequence[int],
@@ -93,10 +97,8 @@ class Placement:
         """FasterMoE's dynamic shadowing (§4.1, Fig. 6): every expert in `shadowed` is replicated on
         every EP rank and each source computes its own rows of it where it sits
         (`source_ep_ranks[s]`); the other experts stay with their owners."""
-        placement = cls.owner_only(counts, ep_size)
-        if not shadowed:
-            return placement
-        replicas, table = list(placement.replicas), placement.routing_table
+        replicas, table = owner_table(counts, ep_size)
+        replicas = list(replicas)
         local = torch.tensor(list(source_ep_ranks), dtype=torch.long)  # [S]
         for e in shadowed:
             owner = replicas[e][0]
@@ -178,6 +180,15 @@ class Placement:
         lengths, starts = blocks[:, order].t().flatten(), starts[:, order].t().flatten()  # expert-major blocks
         within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
         return torch.repeat_interleave(starts, lengths) + within
+
+    def source_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(Long[S, E]: each source's rows per expert, Long[S, ep]: rows each source sends to each
+        EP rank), read from the (expert, rank) pairs alone: every other entry is zero (checked on
+        construction), so the [S, E, ep] table is not swept."""
+        pair_experts, pair_ranks = self._pairs
+        rows = self.routing_table[:, pair_experts, pair_ranks]  # [S, P]
+        per_expert = rows.new_zeros(rows.shape[0], len(self.replicas)).index_add_(1, pair_experts, rows)
+        return per_expert, rows.new_zeros(rows.shape[0], self.ep_size).index_add_(1, pair_ranks, rows)
 
     def tokens_per_ep_rank(self) -> torch.Tensor:
         """Long[ep]: assignments each EP rank computes."""

@@ -14,7 +14,12 @@ On disk, `<run_dir>/routing/`, written by rank 0 only:
   "top_k", "tokens_per_iteration", "chunk_iters"};
 * ``counts_<first iteration, 8 digits>.npz`` (numpy, zip-compressed), one per chunk of up to
   ``chunk_iters`` iterations: ``iterations`` int64 [n], ``counts`` int32 [n, L, S, E],
-  ``dropped`` int32 [n, L, S].
+  ``dropped`` int32 [n, L, S], and (version 2) ``micro_counts`` int32 [n, L, S, M, E]: the same
+  counts per micro-batch of the source (M = micro-batches per data-parallel rank and iteration,
+  summing to ``counts``), which capacity drops and the balancers' per-forward plans depend on
+  (the cluster simulator replays them, `megatron_moe/sim/`).
+
+Version 1 traces (no ``micro_counts``) still load; `RoutingTrace.micro_counts` is then None.
 
 A run resumed from a checkpoint writes into the same directory and replaces the trace from its
 first iteration on (later chunks are deleted, a chunk straddling it is cut), so the directory
@@ -30,7 +35,8 @@ from typing import List, Optional
 
 import numpy as np
 
-FORMAT, VERSION = "megatron_moe.routing_trace", 1
+FORMAT, VERSION = "megatron_moe.routing_trace", 2
+READABLE_VERSIONS = (1, 2)
 CHUNK_ITERS = 100
 
 
@@ -40,6 +46,7 @@ class RoutingTrace:
     iterations: np.ndarray  # int64 [I], ascending
     counts: np.ndarray  # int32 [I, L, S, E]
     dropped: np.ndarray  # int32 [I, L, S]
+    micro_counts: Optional[np.ndarray] = None  # int32 [I, L, S, M, E] per micro-batch (version 2), or None
 
     def expert_load(self) -> np.ndarray:
         """int64 [I, L, E]: assignments per expert, summed over sources."""
@@ -57,16 +64,18 @@ class RoutingTraceWriter:
         self._iterations: List[int] = []
         self._counts: List[np.ndarray] = []
         self._dropped: List[np.ndarray] = []
+        self._micro: List[np.ndarray] = []
         self._first: Optional[int] = None
 
-    def append(self, iteration: int, counts: np.ndarray, dropped: np.ndarray) -> None:
-        """counts [L, S, E], dropped [L, S] of one iteration."""
+    def append(self, iteration: int, counts: np.ndarray, dropped: np.ndarray, micro_counts: np.ndarray) -> None:
+        """counts [L, S, E], dropped [L, S], micro_counts [L, S, M, E] of one iteration."""
         if self._first is None:
             self._first = iteration
             _truncate(self.directory, iteration)
         self._iterations.append(iteration)
         self._counts.append(counts.astype(np.int32))
         self._dropped.append(dropped.astype(np.int32))
+        self._micro.append(micro_counts.astype(np.int32))
         if len(self._iterations) >= self.chunk_iters:
             self.flush()
 
@@ -75,8 +84,9 @@ class RoutingTraceWriter:
             return
         path = os.path.join(self.directory, f"counts_{self._iterations[0]:08d}.npz")
         np.savez_compressed(path, iterations=np.array(self._iterations, dtype=np.int64),
-                            counts=np.stack(self._counts), dropped=np.stack(self._dropped))
-        self._iterations, self._counts, self._dropped = [], [], []
+                            counts=np.stack(self._counts), dropped=np.stack(self._dropped),
+                            micro_counts=np.stack(self._micro))
+        self._iterations, self._counts, self._dropped, self._micro = [], [], [], []
 
     close = flush
 
@@ -92,7 +102,7 @@ def _truncate(directory: str, iteration: int) -> None:
             keep = chunk["iterations"] < iteration
             if keep.all():
                 continue
-            arrays = {name: chunk[name][keep] for name in ("iterations", "counts", "dropped")}
+            arrays = {name: chunk[name][keep] for name in chunk.files}
         os.remove(path)
         if keep.any():
             np.savez_compressed(path, **arrays)
@@ -105,8 +115,8 @@ def load_routing_trace(directory: str, first: Optional[int] = None, last: Option
         raise ValueError(f"{directory} is not a routing trace (no header.json)")
     with open(header_path) as f:
         header = json.load(f)
-    if header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise ValueError(f"{header_path}: not a {FORMAT} version {VERSION} header")
+    if header.get("format") != FORMAT or header.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"{header_path}: not a {FORMAT} version {' or '.join(map(str, READABLE_VERSIONS))} header")
     chunks = [dict(np.load(p)) for p in _chunk_paths(directory)]
     if not chunks:
         raise ValueError(f"routing trace {directory} has no counts_*.npz chunks")
@@ -116,5 +126,7 @@ def load_routing_trace(directory: str, first: Optional[int] = None, last: Option
         keep &= iterations >= first
     if last is not None:
         keep &= iterations <= last
+    micro = np.concatenate([c["micro_counts"] for c in chunks])[keep] if all("micro_counts" in c for c in chunks) \
+        else None
     return RoutingTrace(header, iterations[keep], np.concatenate([c["counts"] for c in chunks])[keep],
-                        np.concatenate([c["dropped"] for c in chunks])[keep])
+                        np.concatenate([c["dropped"] for c in chunks])[keep], micro)

@@ -66,6 +66,8 @@ class IterationMoEStats:
     forwards: int = 1  # micro-batch forwards summed
     # Double[L, 5] seconds summed over forwards: plan, trans exposed / total, agg exposed / total
     timing: torch.Tensor = None
+    # Long[F, L, E] `tokens_per_expert` of each forward, in order (routing traces keep them per micro-batch)
+    forward_counts: torch.Tensor = None
 
     @classmethod
     def of(cls, stats: List[MoEStats]) -> "IterationMoEStats":
@@ -74,7 +76,8 @@ class IterationMoEStats:
                    torch.tensor([s.dropped for s in stats], dtype=torch.long),
                    torch.stack([s.tokens_per_ep_rank.cpu() for s in stats]),
                    [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]),
-                   timing=torch.tensor([s.timing() for s in stats], dtype=torch.float64))
+                   timing=torch.tensor([s.timing() for s in stats], dtype=torch.float64),
+                   forward_counts=torch.stack([s.tokens_per_expert.cpu() for s in stats])[None])
 
     @classmethod
     def across_stages(cls, stats: Optional["IterationMoEStats"], layers: List[int],
@@ -94,11 +97,12 @@ class IterationMoEStats:
 
         return cls(pick("tokens_per_expert"), pick("dropped"), pick("tokens_per_ep_rank"),
                    [parts[stage][1].schedules[row] for _, stage, row in rows], pick("replicas"), parts[0][1].forwards,
-                   pick("timing"))
+                   pick("timing"), torch.cat([parts[stage][1].forward_counts[:, row: row + 1] for _, stage, row in rows],
+                                             dim=1))
 
     def __add__(self, other: "IterationMoEStats") -> "IterationMoEStats":
         return IterationMoEStats(self.tokens_per_expert + other.tokens_per_expert, self.dropped + other.dropped,
                                  self.tokens_per_ep_rank + other.tokens_per_ep_rank,
                                  [a + b for a, b in zip(self.schedules, other.schedules)],
                                  self.replicas + other.replicas, self.forwards + other.forwards,
-                                 self.timing + other.timing)
+                                 self.timing + other.timing, torch.cat([self.forward_counts, other.forward_counts]))

@@ -222,19 +222,37 @@ def optimizer_tensors(params: Sequence[torch.nn.Parameter],
 
 
 # -- routing --------------------------------------------------------------------------------------
-def integer_routing(fractions: np.ndarray, counts: np.ndarray, allowed: np.ndarray) -> torch.Tensor:
-    """Float[S, E, ep] (rows of source s for expert e sent to rank q, summing to counts[s, e]) ->
+def integer_routing(values: np.ndarray, counts: np.ndarray, experts: np.ndarray, ranks: np.ndarray,
+                    ep_size: int) -> torch.Tensor:
+    """Rows per (expert, holder) pair, Float[S, P] (source s's rows of expert experts[p] for rank
+    ranks[p], pairs ascending by (expert, rank), summing to counts[s, e] over e's pairs) ->
     Long[S, E, ep] with the same sums: floors, then the remaining rows one each to the largest
-    fractional parts among `allowed` [E, ep] ranks (ties: the lower rank). Deterministic, so every
-    rank computes the same table."""
-    fractions = np.where(allowed[None], np.maximum(fractions, 0.0), 0.0)
-    table = np.floor(fractions).astype(np.int64)
-    remainder = np.asarray(counts, dtype=np.int64) - table.sum(2)  # [S, E] rows still to place
+    fractional parts among e's pairs (ties: the lower rank); every other (expert, rank) gets
+    nothing. Computed per pair, O(S P). Deterministic, so every rank computes the same table."""
+    experts, ranks = np.asarray(experts, dtype=np.int64), np.asarray(ranks, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    num_sources, num_experts = counts.shape
+    key = experts * ep_size + ranks
+    if (np.diff(key) <= 0).any():
+        raise ValueError("integer_routing: (expert, rank) pairs must be unique and ascending")
+    values = np.maximum(values, 0.0)  # [S, P]
+    table = np.floor(values).astype(np.int64)  # [S, P]
+    first = np.flatnonzero(np.diff(experts, prepend=-1))  # each expert's first pair
+    held = experts[first]  # [E'] experts with a pair
+    placed = np.zeros((num_sources, num_experts), dtype=np.int64)
+    if first.size:
+        placed[:, held] = np.add.reduceat(table, first, axis=1)
+    remainder = counts - placed  # [S, E] rows still to place
     if (remainder > 0).any():
-        rest = np.where(allowed[None], fractions - table, -1.0)
-        order = np.argsort(-rest, axis=2, kind="stable")  # [S, E, ep] best rank first
-        rank_in_order = np.argsort(order, axis=2, kind="stable")
-        table += rank_in_order < remainder[:, :, None]
-    if (table.sum(2) != counts).any() or (table[:, ~allowed] != 0).any():
+        rest = values - table  # [S, P] fractional parts
+        sizes = np.diff(np.append(first, experts.size))  # pairs per expert
+        for k in np.unique(sizes).tolist():  # experts with k holders at once: [S, E_k, k]
+            pairs = first[sizes == k, None] + np.arange(k)  # [E_k, k], ranks ascending
+            order = np.argsort(-rest[:, pairs], axis=2, kind="stable")  # best pair first
+            rank_in_order = np.argsort(order, axis=2, kind="stable")
+            table[:, pairs] += rank_in_order < remainder[:, experts[pairs[:, 0]], None]
+    out = np.zeros((num_sources, num_experts, ep_size), dtype=np.int64)
+    out[:, experts, ranks] = table
+    if (out.sum(2) != counts).any():
         raise RuntimeError("vExpert routing did not place every row on a rank holding its expert")
-    return torch.from_numpy(table)
+    return torch.from_numpy(out)

@@ -20,6 +20,10 @@ An op on a group of one rank costs nothing and is recorded as alpha = beta = 0. 
 the median over `reps` of the slowest rank's time (`perf/timing.py`), so every rank fits the same
 profile.
 
+`measure_links` / `fit_links` time the cluster simulator's link kinds (all-to-all, all-gather,
+all-reduce, p2p, broadcast, reduce) on all the ranks and fit its `cluster` block
+(`tools/profile_comm.py --links`).
+
 `resolve_hardware_profile(cfg, state)` is what the trainer calls: with `perf.hardware_profile`
 unset and a technique that needs one (`moe.schedule: auto`, `moe.balancer: fastermoe`), it
 calibrates in a few seconds (or reuses the profile cached for this machine, layout and expert
@@ -40,7 +44,7 @@ import torch
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
-from megatron_moe.perf.hardware import OPS, HardwareProfile, load_profile, save_profile
+from megatron_moe.perf.hardware import OPS, ClusterSpec, HardwareProfile, Link, load_profile, save_profile
 from megatron_moe.perf.timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
@@ -151,6 +155,64 @@ def measure_points(state: ParallelState, sizes: Sequence[int], reps: int, device
         points[name] = (xs, times)
         progress(f"{name}: {len(xs)} sizes timed" if xs else f"{name}: group of one rank, no cost")
     return points
+
+
+def _link_builders(state: ParallelState, device: torch.device):
+    """The cluster block's collectives (`perf/hardware.py` LINK_KINDS) on the world group, each
+    size -> (x in the cluster convention, callable): all-to-all x = elements a rank sends to the
+    others (evenly), all-gather x = gathered elements, all-reduce / broadcast / reduce x = the
+    tensor's elements, p2p x = elements world ranks 2i and 2i+1 send each other."""
+    world, n = state.world, state.world_size
+
+    def tensor(elements, parts=1):
+        return torch.randn(_rows(elements, parts), WIDTH, device=device)
+
+    def all_to_all(elements):
+        t = tensor(elements * n / max(n - 1, 1), n)
+        splits = [t.shape[0] // n] * n
+        t = t[: splits[0] * n]
+        return splits[0] * (n - 1) * WIDTH, lambda: C.all_to_all_v(t, splits, splits, world)
+
+    def all_gather(elements):
+        piece = tensor(elements, n)
+        return piece.numel() * n, lambda: C.all_gather(piece, world)
+
+    def p2p(elements):
+        send = tensor(elements)
+        recv, peer = torch.empty_like(send), world.rank ^ 1
+        pairs = ([(peer, send)], [(peer, recv)]) if peer < n else ([], [])
+        return send.numel(), lambda: C.p2p_exchange(*pairs, world, kind="p2p").wait()
+
+    def whole(op):
+        def build(elements):
+            t = tensor(elements)
+            return t.numel(), lambda: op(t)
+        return build
+
+    return {"all_to_all": all_to_all, "all_gather": all_gather, "all_reduce": whole(lambda t: C.all_reduce(t, world)),
+            "p2p": p2p, "broadcast": whole(lambda t: C.broadcast(t, 0, world)),
+            "reduce": whole(lambda t: C.reduce_async(t, 0, world).wait())}
+
+
+def measure_links(state: ParallelState, sizes: Sequence[int], reps: int, device: torch.device,
+                  progress: Callable[[str], None] = lambda _: None) -> Points:
+    """Collective: time every cluster link kind on the world group at every size (one warm-up)."""
+    points: Points = {}
+    for kind, build in _link_builders(state, device).items():
+        xs, times = [], []
+        for size in sizes:
+            x, run = build(size)
+            run()
+            xs.append(x)
+            times.append(statistics.median(slowest_rank_seconds(run, state) for _ in range(reps)))
+        points[kind] = (xs, times)
+        progress(f"{kind}: {len(xs)} sizes timed on {state.world_size} ranks")
+    return points
+
+
+def fit_links(points: Points, node_size: Optional[int] = None) -> ClusterSpec:
+    """The cluster block of one machine's measured links (every rank on one node: `intra`)."""
+    return ClusterSpec(node_size, {kind: Link(fit_alpha_beta(*points[kind])) for kind in points})
 
 
 def fit_profile(name: str, points: Points, fit: Dict, description: str = "") -> HardwareProfile:

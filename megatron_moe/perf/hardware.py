@@ -19,6 +19,25 @@ Times in seconds, x in elements (values, whatever their dtype) or FLOPs; `r2` (o
 quality. Every entry is optional; a technique names what it needs (`require`) and a profile that
 lacks it is refused with a one-line error. The numbers belong to the group sizes they were
 measured on (`fit.layout`); the models use them as is.
+
+A *cluster* profile (the simulator's, `megatron_moe/sim/`, docs/simulator.md) adds an optional
+``cluster`` block: the node size and, per collective, alpha-beta inside a node and across nodes::
+
+    cluster:
+      node_size: 8                       # ranks (GPUs) per node; consecutive ranks share a node
+      links:                             # per collective: intra- and inter-node alpha-beta
+        all_to_all: {intra: {alpha: 1.0e-5, beta: 2.0e-11}, inter: {alpha: 3.0e-5, beta: 3.2e-10}}
+        all_gather: {intra: {...}, inter: {...}}   # x = gathered elements (as above)
+        all_reduce: {intra: {...}, inter: {...}}   # x = elements of the tensor
+        p2p:        {intra: {...}, inter: {...}}   # x = elements one rank sends to one peer
+        broadcast:  {...}                          # x = elements of the tensor (optional: p2p's)
+        reduce:     {...}                          # x = elements of the tensor (optional: broadcast's)
+      dense_compute: {alpha: 0.0, beta: 1.0e-14}  # non-expert compute, s per FLOP (optional: expert_compute's)
+
+All-to-all and point to point: x = elements a rank sends to (or receives from) peers over that
+kind of link, its own slice excluded; a group collective uses `inter` when its group spans nodes.
+A link without `inter` costs `intra` everywhere. The flat ops above stay what the cost models of
+training read; the simulator derives what it needs from either (`sim/cluster.py`).
 """
 from __future__ import annotations
 
@@ -34,6 +53,27 @@ from megatron_moe.perf.alpha_beta import AlphaBeta
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
 BALANCER_OPS = ("p2p", "broadcast", "expert_compute")  # FasterMoE Eq. 7-10 (and the balancers after it)
 OPS = PARM_OPS + BALANCER_OPS
+LINK_KINDS = ("all_to_all", "all_gather", "all_reduce", "p2p", "broadcast", "reduce")  # cluster.links
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective's alpha-beta inside a node (`intra`) and across nodes (`inter`, None: as intra)."""
+
+    intra: AlphaBeta
+    inter: Optional[AlphaBeta] = None
+
+    def across(self, spans_nodes: bool) -> AlphaBeta:
+        return self.inter if spans_nodes and self.inter is not None else self.intra
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The `cluster` block: ranks per node, per-collective links, optional dense compute."""
+
+    node_size: Optional[int] = None  # None: every rank on one node
+    links: Dict[str, Link] = field(default_factory=dict, hash=False)  # LINK_KINDS -> Link
+    dense_compute: Optional[AlphaBeta] = None  # s per FLOP of non-expert compute (None: expert_compute's)
 
 
 @dataclass(frozen=True)
@@ -47,6 +87,7 @@ class HardwareProfile:
     p2p: Optional[AlphaBeta] = None  # point to point on `ep`, x = elements: W_net
     broadcast: Optional[AlphaBeta] = None  # one rank of `ep` to the others, x = elements
     expert_compute: Optional[AlphaBeta] = None  # x = FLOPs of an expert FFN forward: P
+    cluster: Optional[ClusterSpec] = None  # node size, intra / inter-node links (the simulator's)
 
     def require(self, ops: Sequence[str], who: str) -> "HardwareProfile":
         """Self, or a ConfigError naming what `who` (a config key=value) needs and this profile lacks."""
@@ -70,6 +111,27 @@ def _op(raw: Any, where: str) -> AlphaBeta:
     return AlphaBeta(values["alpha"], values["beta"], values.get("r2"))
 
 
+def _cluster(raw: Any, where: str) -> ClusterSpec:
+    where = f"{where}: cluster"
+    if not isinstance(raw, dict) or not raw.keys() <= {"node_size", "links", "dense_compute"}:
+        raise ConfigError(f"{where} must be a mapping with keys node_size, links, dense_compute")
+    node_size = raw.get("node_size")
+    if node_size is not None and (not isinstance(node_size, int) or node_size < 1):
+        raise ConfigError(f"{where}.node_size must be a positive integer (ranks per node), got {node_size!r}")
+    links_raw = raw.get("links") or {}
+    if not isinstance(links_raw, dict) or not links_raw.keys() <= set(LINK_KINDS):
+        raise ConfigError(f"{where}.links: a mapping of {', '.join(LINK_KINDS)}; unknown: "
+                          f"{sorted(set(links_raw) - set(LINK_KINDS)) if isinstance(links_raw, dict) else links_raw}")
+    links = {}
+    for kind, entry in links_raw.items():
+        if not isinstance(entry, dict) or "intra" not in entry or not entry.keys() <= {"intra", "inter"}:
+            raise ConfigError(f"{where}.links.{kind} must be a mapping with keys intra (and optionally inter)")
+        links[kind] = Link(_op(entry["intra"], f"{where}.links.{kind}.intra"),
+                           _op(entry["inter"], f"{where}.links.{kind}.inter") if "inter" in entry else None)
+    dense = _op(raw["dense_compute"], f"{where}.dense_compute") if "dense_compute" in raw else None
+    return ClusterSpec(node_size, links, dense)
+
+
 def load_profile(path: str) -> HardwareProfile:
     """Read and check a profile; a ConfigError names `perf.hardware_profile` and the problem."""
     where = f"perf.hardware_profile={path}"
@@ -82,13 +144,14 @@ def load_profile(path: str) -> HardwareProfile:
         raise ConfigError(f"{where}: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping")
-    unknown = raw.keys() - {"name", "description", "fit", *OPS}
-    if unknown or not set(OPS) & raw.keys():
-        raise ConfigError(f"{where}: needs one or more of {', '.join(OPS)} (optional: name, description, fit); "
-                          f"unknown: {sorted(unknown)}")
+    unknown = raw.keys() - {"name", "description", "fit", "cluster", *OPS}
+    if unknown or not (set(OPS) | {"cluster"}) & raw.keys():
+        raise ConfigError(f"{where}: needs one or more of {', '.join(OPS)} or a cluster block (optional: name, "
+                          f"description, fit); unknown: {sorted(unknown)}")
     ops = {op: _op(raw[op], f"{where}: {op}") for op in OPS if op in raw}
+    cluster = _cluster(raw["cluster"], where) if "cluster" in raw else None
     return HardwareProfile(str(raw.get("name", os.path.basename(path))), description=str(raw.get("description", "")),
-                           fit=dict(raw.get("fit") or {}), **ops)
+                           fit=dict(raw.get("fit") or {}), cluster=cluster, **ops)
 
 
 def profile_dict(profile: HardwareProfile) -> Dict[str, Any]:
@@ -96,9 +159,17 @@ def profile_dict(profile: HardwareProfile) -> Dict[str, Any]:
     def op(ab: AlphaBeta) -> Dict[str, float]:
         return {"alpha": ab.alpha, "beta": ab.beta, **({"r2": ab.r2} if ab.r2 is not None else {})}
 
-    return {"name": profile.name, "description": profile.description,
-            **{name: op(getattr(profile, name)) for name in OPS if getattr(profile, name) is not None},
-            "fit": profile.fit}
+    out = {"name": profile.name, "description": profile.description,
+           **{name: op(getattr(profile, name)) for name in OPS if getattr(profile, name) is not None},
+           "fit": profile.fit}
+    cluster = profile.cluster
+    if cluster is not None:
+        out["cluster"] = {
+            **({"node_size": cluster.node_size} if cluster.node_size is not None else {}),
+            "links": {kind: {"intra": op(link.intra), **({"inter": op(link.inter)} if link.inter else {})}
+                      for kind, link in cluster.links.items()},
+            **({"dense_compute": op(cluster.dense_compute)} if cluster.dense_compute else {})}
+    return out
 
 
 def save_profile(profile: HardwareProfile, path: str) -> None:

@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class MoECost:
@@ -57,20 +59,21 @@ class Instruction:
         return cost.compute + cost.dispatch + cost.combine
 
 
-def pipeline_time(parts: int, before: float, moe: MoECost, after: float) -> float:
-    """The timeline of one partitioned segment (module docstring) -> its end."""
+def pipeline_time(parts: int, before, moe: MoECost, after):
+    """The timeline of one partitioned segment (module docstring) -> its end. The times may be
+    numpy arrays (one timeline per element: the cluster simulator's ranks)."""
     compute, comm_free = before, 0.0  # A_0
     for q in range(parts):
-        d_end = max(compute, comm_free) + moe.dispatch
+        d_end = np.maximum(compute, comm_free) + moe.dispatch
         comm_free = d_end
         if q + 1 < parts:
-            compute += before  # A_{q+1} while D_q is in flight
-        compute = max(compute, d_end) + moe.compute  # X_q
-        c_end = max(compute, comm_free) + moe.combine
+            compute = compute + before  # A_{q+1} while D_q is in flight
+        compute = np.maximum(compute, d_end) + moe.compute  # X_q
+        c_end = np.maximum(compute, comm_free) + moe.combine
         comm_free = c_end
         if q >= 1:
-            compute += after  # B_{q-1} while C_q is in flight
-        compute = max(compute, c_end)
+            compute = compute + after  # B_{q-1} while C_q is in flight
+        compute = np.maximum(compute, c_end)
     return compute + after  # B_{k-1}
 
 

@@ -94,6 +94,7 @@ class Trainer:
                                                 for layer in self.model.moe_layers()))
         self.skipped_iterations = 0  # non-finite updates dropped (training.on_nonfinite=skip)
         self.routed_per_source = None  # Long[dp, moe layers, E + 1] of the last iteration: counts | dropped
+        self.routed_per_forward = None  # Long[dp, F, moe layers, E] of the last iteration (routing traces)
         self.vexpert_slots = None  # per MoE layer (index, Int[ep, V]): the vExpert placement after the last iteration
         self.latest_moe = None  # IterationMoEStats of the last train_step (step_details reduces it)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -163,6 +164,9 @@ class Trainer:
         local = torch.cat([moe.tokens_per_expert, moe.dropped[:, None]], dim=1)[None]  # [1, L, E + 1]
         self.routed_per_source = collectives.all_gather(local.to(self.device), self.state.dp,
                                                         kind="moe_stats").cpu()  # [dp, L, E + 1]
+        if self.cfg.logging.routing_trace:  # per micro-batch counts for the trace [dp, F, L, E]
+            self.routed_per_forward = collectives.all_gather(moe.forward_counts[None].to(self.device), self.state.dp,
+                                                             kind="moe_stats").cpu()
         total = self.routed_per_source.sum(0)  # [L, E + 1]
         # replicas per forward, averaged over this iteration's forwards and the ep_esp groups (edp)
         replicas = collectives.all_reduce(moe.replicas.double().to(self.device), self.state.edp)
@@ -398,7 +402,8 @@ class Trainer:
         if routed is None or not metrics.enabled:
             return
         if trace is not None:
-            trace.append(iteration, routed[..., :-1].transpose(0, 1).numpy(), routed[..., -1].T.numpy())
+            trace.append(iteration, routed[..., :-1].transpose(0, 1).numpy(), routed[..., -1].T.numpy(),
+                         self.routed_per_forward.permute(2, 0, 1, 3).numpy())  # [L, dp, F, E]
         if metrics.tensorboard and self.image_due(iteration):
             from megatron_moe.moe.load_plots import figure_rgb, heatmap_figure
 

@@ -128,3 +128,23 @@ def test_cost_model_reads_the_profile():
     assert model.lat_shadow(2, 10) == pytest.approx(model.lat_imbl(10) + 2 * 2 * 10 * 3e-9)
     with pytest.raises(Exception, match="moe.balancer=fastermoe needs broadcast, expert_compute"):
         ShadowCostModel.from_profile(HardwareProfile("q", p2p=ab(0, 1)), 1.0, 1.0, 1)
+
+
+def test_incremental_loads_choose_what_the_loads_from_scratch_choose():
+    """Alg. 1 derives each candidate's loads from the accepted set's; the reference recomputes
+    them from T for every candidate: the same shadow sets on random skewed layers (ties included)."""
+    from tests.dense_reference import reference_shadow_experts
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        ep = int(torch.randint(1, 9, (1,), generator=gen))
+        experts = ep * int(torch.randint(1, 5, (1,), generator=gen))
+        hot = torch.rand(experts, generator=gen) ** 4 * 40  # a few popular experts
+        T = torch.poisson(hot.expand(ep, experts).contiguous(), generator=gen).long()
+        if trial % 4 == 0:
+            T = T // 5  # small counts: many equal totals
+        q = float(torch.randint(1, 200, (1,), generator=gen))
+        model = ShadowCostModel(128, q, 4, 1e-4, 1e-3, 1e-3, token_term=bool(trial % 2))
+        for min_shadow in (0, 2):
+            assert select_shadow_experts(T, model, min_shadow) == reference_shadow_experts(T, model, min_shadow), \
+                (T.tolist(), q, min_shadow)

@@ -6,6 +6,7 @@ import pytest
 from megatron_moe.moe.balancers.flexmoe_plan import (Expand, FlexCostModel, Migrate, Shrink, apply_ops,
                                                      balance_ratio, flexible_routing, make_scheduling_plan,
                                                      propose_migration, rank_tokens, schedule, vexpert_counts)
+from tests.dense_reference import dense_flexible_routing, dense_rank_times, scatter_pairs
 
 # Fig. 1b: GPU 1 routes 6 tokens to expert 1 and 3 to expert N, GPU N routes 4 and 5 (experts 0, 1
 # here). Each GPU has 9 vExpert slots, all of its own expert: the ideal B / (G x V) = 18 / 18 = 1 token.
@@ -32,10 +33,14 @@ def test_flexible_routing_alg3_by_hand():
     # (capacity 1) and sends 3 to GPU 0, whose free capacity is 9 - 6 = 3. Expert 1: only GPU 1 holds
     # it, GPU 0 sends its 3 there, GPU 1 keeps 5.
     slots = np.array([[0] * 9, [0] + [1] * 8])
-    table = flexible_routing(FIG1B_COUNTS, [0, 1], slots)  # [S, E, G]
+    routing = flexible_routing(FIG1B_COUNTS, [0, 1], slots)
+    # the (expert, GPU) pairs: expert 0 on both GPUs, expert 1 on GPU 1
+    assert routing.experts.tolist() == [0, 0, 1] and routing.ranks.tolist() == [0, 1, 1]
+    assert routing.values.tolist() == [[6, 0, 3], [3, 1, 5]]
+    table = scatter_pairs(routing, 2)  # [S, E, G]
     assert table.tolist() == [[[6, 0], [0, 3]], [[3, 1], [0, 5]]]
     # two sources on GPU 0 share its routing in proportion to their counts
-    split = flexible_routing(np.array([[4, 1], [2, 2], [4, 5]]), [0, 0, 1], slots)
+    split = scatter_pairs(flexible_routing(np.array([[4, 1], [2, 2], [4, 5]]), [0, 0, 1], slots), 2)
     assert split[0].tolist() == [[4, 0], [0, 1]] and split[1].tolist() == [[2, 0], [0, 2]]
     assert split[2].tolist() == table[1].tolist()
 
@@ -46,11 +51,50 @@ def test_flexible_routing_fills_every_vexpert_to_cap():
         slots = _random_slots(rng, 3, 3, 4)
         counts = rng.integers(0, 20, size=(5, 4))
         sources = rng.integers(0, 3, size=5)
-        table = flexible_routing(counts, sources, slots)
+        table = scatter_pairs(flexible_routing(counts, sources, slots), 3)
         n = vexpert_counts(slots, 4)
         np.testing.assert_allclose(table.sum(2), counts)  # every token goes somewhere
         np.testing.assert_allclose(table.sum(0).T, n * (counts.sum(0) / n.sum(0)))  # cap_e per vExpert
         np.testing.assert_allclose(table.sum(0).sum(0), rank_tokens(counts.sum(0), slots))  # = Eq. 6's split
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_pair_routing_and_cost_model_equal_the_dense_alg3(seed):
+    # the pairs hold exactly the dense table's floats (the same operations per entry, zeros
+    # elsewhere); Eq. 5 from the capacities equals Eq. 5 from the dense table up to rounding
+    rng = np.random.default_rng(seed)
+    model = FlexCostModel(seconds_per_token=1.0, seconds_per_token_sent=0.3, seconds_per_param_sent=0.01,
+                          params_per_expert=50)
+    for _ in range(100):
+        num_ranks, per_rank = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        num_experts = int(rng.integers(1, num_ranks * per_rank + 1))
+        slots = _random_slots(rng, num_ranks, per_rank, num_experts)
+        num_sources = int(rng.integers(1, 12))
+        counts = rng.integers(0, 40, size=(num_sources, num_experts)) * (rng.random((num_sources, num_experts)) < 0.7)
+        sources = rng.integers(0, num_ranks, size=num_sources)
+        routing = flexible_routing(counts, sources, slots)
+        held = vexpert_counts(slots, num_experts) > 0
+        assert list(zip(routing.experts.tolist(), routing.ranks.tolist())) == list(zip(*np.nonzero(held.T)))
+        dense = dense_flexible_routing(counts, sources, slots)
+        assert np.array_equal(scatter_pairs(routing, num_ranks), dense)
+        own = rng.integers(0, 40, size=(num_ranks, num_experts))
+        np.testing.assert_allclose(model.rank_times(own, slots), dense_rank_times(model, own, slots),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_alg2_expands_only_e0_and_returns_nothing_when_e0_cannot_help():
+    # Alg. 2 as printed: e0 = argmax cap_e (line 6), return {} unless the plan lowers Eq. 5 (lines
+    # 8-10). Expert 0 (20 tokens) already has a second vExpert on GPU 3, next to expert 3 (9).
+    # cap = [10, 11, 1, 9]: e0 = expert 1, on GPU 1 (11 tokens); the slowest GPU is 3 (9 + 10 = 19)
+    slots = np.array([[0, -1], [1, -1], [2, -1], [3, 0]])
+    counts = np.array([[5, 3, 1, 2], [5, 3, 0, 2], [5, 3, 0, 2], [5, 2, 0, 3]])
+    assert COMPUTE_ONLY.rank_times(counts, slots).tolist() == [10, 11, 1, 19]
+    # no Expand of expert 1 (nor Shrink of expert 0, the only e1, then Expand of 1) lowers GPU 3's 19
+    assert make_scheduling_plan(counts, slots, COMPUTE_ONLY) == []
+    assert schedule(counts, slots, COMPUTE_ONLY, threshold=1.1) == []  # Alg. 1 lines 5-6: break
+    # although a third vExpert of expert 0 (not e0) would: 20 / 3 tokens each, GPU 3 at 15.67
+    better = apply_ops(slots, [Expand(0, 0, 2, 1)])
+    assert COMPUTE_ONLY.step_time(counts, better) == pytest.approx(9 + 20 / 3)
 
 
 def test_cost_model_eq5_by_hand():

@@ -214,7 +214,7 @@ def test_config_rules(tmp_path):
     for overrides, message in [(["moe.schedule=baseline", "moe.saa=true"], "needs moe.schedule s2 or auto"),
                                (["moe.schedule=s1", "moe.saa=true"], "moe.saa"),
                                (["moe.balancer=fastermoe", f"perf.hardware_profile={profile}"],
-                                "moe.balancer=fastermoe needs p2p, broadcast, expert_compute"),
+                                "moe.balancer=fastermoe needs p2p, broadcast in"),
                                (["moe.schedule=s1", f"perf.hardware_profile={tmp_path}/none.yaml"], "no such file")]:
         with pytest.raises(ConfigError, match=message):
             validate_config(load_config(None, overrides), 1)

@@ -68,3 +68,14 @@ def test_invalid_placements_raise_even_under_python_O():
         Placement(((1, 0), (0,), (1,), (1,)), table)
     with pytest.raises(ValueError, match="does not match"):
         Placement(((0,), (0,), (1,)), table)
+
+
+def test_source_rows_equal_the_table_sums():
+    """`source_rows` reads only the (expert, rank) pairs: the same sums as the whole table's."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        counts = torch.randint(0, 9, (5, 8), generator=gen)
+        for p in (Placement.owner_only(counts, 4), Placement.shadowed(counts, 4, [1, 6], [0, 1, 2, 3, 3])):
+            per_expert, per_rank = p.source_rows()
+            assert torch.equal(per_expert, p.routing_table.sum(2)) and torch.equal(per_expert, counts)
+            assert torch.equal(per_rank, p.routing_table.sum(1))

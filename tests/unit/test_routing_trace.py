@@ -14,8 +14,10 @@ HEADER = {"num_moe_layers": 2, "moe_layer_indices": [1, 3], "num_sources": 3, "n
 
 
 def _matrix(iteration, salt=0):
+    """(counts [L, S, E], dropped [L, S], micro_counts [L, S, M, E]) of one iteration, M = 2."""
     rng = np.random.default_rng(iteration * 10 + salt)
-    return rng.integers(0, 100, size=(2, 3, 4)), rng.integers(0, 5, size=(2, 3))
+    micro = rng.integers(0, 50, size=(2, 3, 2, 4))
+    return micro.sum(2), rng.integers(0, 5, size=(2, 3)), micro
 
 
 def test_chunks_resume_and_window(tmp_path):
@@ -37,14 +39,25 @@ def test_chunks_resume_and_window(tmp_path):
     assert trace.iterations.tolist() == [1, 2, 3, 4, 5, 6]
     assert trace.counts.dtype == np.int32 and trace.counts.shape == (6, 2, 3, 4)
     for row, i in enumerate(trace.iterations):
-        counts, dropped = _matrix(i, salt=int(i >= 4))  # the resumed run wins where both wrote
+        counts, dropped, micro = _matrix(i, salt=int(i >= 4))  # the resumed run wins where both wrote
         np.testing.assert_array_equal(trace.counts[row], counts)
         np.testing.assert_array_equal(trace.dropped[row], dropped)
+        np.testing.assert_array_equal(trace.micro_counts[row], micro)
     np.testing.assert_array_equal(trace.expert_load()[0], _matrix(1)[0].sum(axis=1))
     assert trace.header["moe_layer_indices"] == [1, 3] and trace.header["chunk_iters"] == 2
     window = load_routing_trace(str(tmp_path), first=2, last=4)
     assert window.iterations.tolist() == [2, 3, 4]
     np.testing.assert_array_equal(window.counts[2], _matrix(4, salt=1)[0])
+
+
+def test_version_1_traces_load_without_micro_batches(tmp_path):
+    (tmp_path / "header.json").write_text(json.dumps({**HEADER, "format": "megatron_moe.routing_trace", "version": 1}))
+    counts, dropped, _ = _matrix(1)
+    np.savez_compressed(tmp_path / "counts_00000001.npz", iterations=np.array([1]), counts=counts[None].astype(np.int32),
+                        dropped=dropped[None].astype(np.int32))
+    trace = load_routing_trace(str(tmp_path))
+    assert trace.micro_counts is None
+    np.testing.assert_array_equal(trace.counts[0], counts)
 
 
 def test_not_a_trace(tmp_path):

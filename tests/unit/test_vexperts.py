@@ -14,6 +14,7 @@ from megatron_moe.moe.load_plots import figure_rgb, placement_figure
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexperts import (SlotTable, Transfer, expert_rows, fill_duplicates, integer_routing,
                                        plan_transfers)
+from tests.dense_reference import dense_flexible_routing, dense_integer_routing
 from tests.unit.test_flexmoe_plan import _random_slots
 
 TINY = "configs/gpt_moe_tiny.yaml"  # num_experts 8
@@ -197,7 +198,13 @@ def _route(fractions, counts, allowed=None):
     fractions = np.asarray(fractions, dtype=np.float64)
     if allowed is None:
         allowed = np.ones(fractions.shape[1:], dtype=bool)
-    return integer_routing(fractions, np.asarray(counts), np.asarray(allowed)).tolist()
+    return _route_pairs(fractions, counts, np.asarray(allowed)).tolist()
+
+
+def _route_pairs(fractions, counts, allowed):
+    """`integer_routing` of the dense `fractions` [S, E, ep] on the `allowed` [E, ep] pairs."""
+    experts, ranks = np.nonzero(allowed)
+    return integer_routing(fractions[:, experts, ranks], np.asarray(counts), experts, ranks, allowed.shape[1])
 
 
 def test_integer_routing_by_hand():
@@ -244,8 +251,9 @@ def test_integer_routing_random_flexible_routing():
         held = np.zeros((num_experts, num_ranks), dtype=bool)
         for q in range(num_ranks):
             held[slots[q][slots[q] >= 0], q] = True
-        fractions = flexible_routing(counts, sources, slots)
-        table = integer_routing(fractions, counts, held)
+        routing = flexible_routing(counts, sources, slots)
+        fractions = dense_flexible_routing(counts, sources, slots)
+        table = integer_routing(routing.values, counts, routing.experts, routing.ranks, num_ranks)
         assert table.dtype == torch.int64 and tuple(table.shape) == fractions.shape
         t = table.numpy()
         assert np.array_equal(t.sum(2), counts)
@@ -253,11 +261,42 @@ def test_integer_routing_random_flexible_routing():
         assert (np.abs(t - fractions) < 1 + 1e-9).all()
         assert ((t == np.floor(fractions + 1e-9)) | (t == np.ceil(fractions - 1e-9))).all()
         assert np.array_equal(t, _reference_rounding(fractions, counts, held))
-        assert torch.equal(table, integer_routing(fractions.copy(), counts, held))  # deterministic
+        assert torch.equal(table, integer_routing(routing.values.copy(), counts, routing.experts, routing.ranks,
+                                                  num_ranks))  # deterministic
         # what SlotBalancer.plan does with it: every row lands on a holder
         placement = Placement.on_slots(table, [SlotTable(slots, num_experts, 0).resident(q)
                                                for q in range(num_ranks)])
         assert int(placement.tokens_per_ep_rank().sum()) == int(counts.sum())
+        assert torch.equal(placement.source_rows()[1], table.sum(1))  # the pairs hold every row
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_integer_routing_on_pairs_equals_the_dense_rounding(seed):
+    # many random cases, with exact ties (fractions on a grid of quarters) and float noise, against
+    # the dense sort over every rank: the same table
+    rng = np.random.default_rng(100 + seed)
+    for case in range(150):
+        num_sources, num_experts, ep = int(rng.integers(1, 7)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        allowed = rng.random((num_experts, ep)) < rng.uniform(0.1, 1.0)
+        allowed[np.arange(num_experts), rng.integers(0, ep, num_experts)] = True  # every expert held
+        counts = rng.integers(0, 25, size=(num_sources, num_experts))
+        weights = np.where(allowed[None], rng.random((num_sources, num_experts, ep)), 0.0)
+        if case % 3 == 0:  # exact ties
+            weights = np.where(allowed[None], rng.integers(1, 4, (num_sources, num_experts, ep)), 0.0)
+        weights[weights.sum(2) == 0, :] = allowed[np.nonzero(weights.sum(2) == 0)[1]]
+        fractions = counts[:, :, None] * weights / weights.sum(2, keepdims=True)
+        if case % 3 == 1:  # float noise around the exact split
+            fractions = fractions + np.where(allowed[None], rng.normal(0, 1e-12, fractions.shape), 0.0)
+        expected = dense_integer_routing(fractions, counts, allowed)
+        assert np.array_equal(expected.sum(2), counts)  # (the dense reference places every row here too)
+        assert np.array_equal(_route_pairs(fractions, counts, allowed).numpy(), expected)
+    # bad pairs: unordered, repeated
+    with pytest.raises(ValueError, match="ascending"):
+        integer_routing(np.ones((1, 2)), np.array([[2]]), np.array([0, 0]), np.array([1, 0]), 2)
+    with pytest.raises(ValueError, match="ascending"):
+        integer_routing(np.ones((1, 2)), np.array([[2]]), np.array([0, 0]), np.array([1, 1]), 2)
+    with pytest.raises(RuntimeError, match="did not place every row"):  # more rows than the pairs' fractions
+        integer_routing(np.array([[0.5, 0.5]]), np.array([[3]]), np.array([0, 0]), np.array([0, 1]), 2)
 
 
 # -- Placement.on_slots ----------------------------------------------------------------------------------

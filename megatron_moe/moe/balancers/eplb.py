@@ -9,7 +9,8 @@ from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `mo
             newest window)
     plan  = replicate the heaviest experts (by load per replica) into the redundant slots, pack
             the replicas onto ranks by balanced greedy packing; hierarchical (experts packed onto
-            nodes first) when `parallel.ranks_per_node` splits the ``ep`` group over nodes
+            nodes first) when `parallel.ranks_per_node` splits the ``ep`` group over nodes with
+            more than one EP rank on each
 
 EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
 new experts keep the slots they already had, so only the cells that change move. The FlexMoE
@@ -56,7 +57,10 @@ class EPLB(SlotBalancer):
         eplb = cfg.moe.eplb
         super().__init__(cfg, state, eplb_slots_per_rank(cfg, state.ep_size), eplb.interval)
         self.ema_weight = eplb.ema
-        self.ranks_per_node = ep_ranks_per_node(state)
+        per_node = ep_ranks_per_node(state)
+        # one EP rank per node: no replica could stay inside its node (the hierarchical plan would
+        # refuse any redundant slot), so plan flat
+        self.ranks_per_node = per_node if per_node is not None and per_node > 1 else None
         self.average: Optional[np.ndarray] = None  # [E] moving average of rows per iteration
 
     def propose(self, load: np.ndarray):

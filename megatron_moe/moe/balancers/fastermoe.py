@@ -49,15 +49,21 @@ def shadow_loads(T: torch.Tensor, shadowed: Sequence[int]) -> torch.Tensor:
 
 
 def select_shadow_experts(T: torch.Tensor, cost: ShadowCostModel, min_shadow: int = 0) -> List[int]:
-    """Alg. 1 on T [ep, E] (rows from each EP rank to each expert): the experts to shadow."""
-    load = shadow_loads(T, [])
+    """Alg. 1 on T [ep, E] (rows from each EP rank to each expert): the experts to shadow. Each
+    candidate's loads come from the accepted set's: shadowing e moves its column from its owner
+    to the sources' ranks (`shadow_loads`, O(ep) per candidate)."""
+    ep_size, num_experts = T.shape
+    rows = T.long().numpy()  # [ep, E]
+    totals = rows.sum(0)  # [E]
+    load = shadow_loads(T, []).numpy()
     c_min = cost.lat_imbl(float(load.max()))
     shadowed: List[int] = []
     for e in torch.argsort(T.sum(0), descending=True, stable=True).tolist():
-        candidate = shadowed + [e]
-        c = cost.lat_shadow(len(candidate), float(shadow_loads(T, candidate).max()))
-        if c < c_min or len(candidate) <= min_shadow:
-            shadowed, c_min = candidate, c
+        candidate = load + rows[:, e]
+        candidate[e // (num_experts // ep_size)] -= totals[e]
+        c = cost.lat_shadow(len(shadowed) + 1, float(candidate.max()))
+        if c < c_min or len(shadowed) + 1 <= min_shadow:
+            shadowed, load, c_min = shadowed + [e], candidate, c
         else:
             break
     return sorted(shadowed)

@@ -25,6 +25,10 @@ Where this departs from the paper, and why:
     new vExpert and every GPU holding e1 for the shrink and keeps the cheapest (the paper leaves
     where open); e1 is the idlest expert other than e0 that still has two vExperts, and with a
     free slot an Expand alone is a candidate too (the paper's placements have no free slots);
+  * not a departure: Alg. 2 considers e0 = argmax cap_e only (line 6) and returns {} when no
+    plan for it lowers Eq. 5 (lines 8-10), so Alg. 1 stops (lines 5-6) once the slowest GPU holds
+    no vExpert of e0, even where expanding that GPU's own expert would gain; this follows the
+    paper as printed (docs/reproduce.md, FlexMoE, discusses what it does to Fig. 5);
   * Alg. 1 line 9 "Modify Expert Placement with Migrate" is made concrete as greedy swaps that
     move a vExpert of a replicated expert onto a GPU already holding that expert, while Eq. 5
     plus transfer cost predicts a gain (fewer GPUs to sync, or fewer tokens crossing GPUs);
@@ -34,7 +38,7 @@ Where this departs from the paper, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -114,19 +118,20 @@ def balance_ratio(tokens: np.ndarray, slots: np.ndarray) -> float:
     return float(load.max() / mean) if mean > 0 else 1.0
 
 
-def flexible_routing(counts: np.ndarray, source_ranks: Sequence[int], slots: np.ndarray) -> np.ndarray:
-    """Alg. 3. counts [S, E] tokens of each source per expert, source_ranks[s] the GPU of source s
-    -> Float[S, E, G]: tokens source s sends to expert e's vExperts on GPU g.
+class PairRouting(NamedTuple):
+    """Alg. 3's routing on the (expert, holder) pairs, ascending by (expert, GPU): values[s, p]
+    tokens source s sends to the vExperts of expert experts[p] on GPU ranks[p]. Every other
+    (expert, GPU) gets nothing, so this is the dense [S, E, G] table without its zeros."""
+    experts: np.ndarray  # Int[P]
+    ranks: np.ndarray  # Int[P]
+    values: np.ndarray  # Float[S, P]
 
-    Per GPU g and expert e: keep min(cap_e n_{e,g}, I_{e,g}) locally (line 5), send the rest to the
-    other GPUs in proportion to their free capacity cap_e n_{e,g'} - (their own local use)
-    (lines 6-10). A GPU's sources share its routing in proportion to their counts."""
-    counts = _check_counts(counts, len(source_ranks))
-    slots = np.asarray(slots)
+
+def _alg3(counts: np.ndarray, source_ranks: np.ndarray, slots: np.ndarray):
+    """Alg. 3 per (GPU, expert), each [G, E]: n_{e,g}, I_{e,g} (tokens GPU g's sources send to e),
+    cap_e n_{e,g} (line 5's capacity), what stays local (line 5), the spill s_e (line 6) and each
+    GPU's share of the spill (lines 7-10: free capacity / all free capacity of e)."""
     num_ranks, num_experts = slots.shape[0], counts.shape[1]
-    source_ranks = np.asarray(source_ranks, dtype=np.int64)
-    if source_ranks.size and (source_ranks.min() < 0 or source_ranks.max() >= num_ranks):
-        raise ValueError(f"source ranks must lie in [0, {num_ranks})")
     n = vexpert_counts(slots, num_experts)  # [G, E]
     sent = np.zeros((num_ranks, num_experts))
     np.add.at(sent, source_ranks, counts)  # I_{e,g} [G, E]
@@ -136,10 +141,31 @@ def flexible_routing(counts: np.ndarray, source_ranks: Sequence[int], slots: np.
     free = capacity - local  # lines 7-9: c_{e,g}, zero wherever spill > 0
     total_free = free.sum(0)  # [E] equals spill.sum(0)
     share = np.divide(free, total_free, out=np.zeros_like(free), where=total_free > 0)
-    per_rank = spill[:, :, None] * share.T[None, :, :]  # line 10 [G, E, G]
-    per_rank[np.arange(num_ranks), :, np.arange(num_ranks)] += local
-    fraction = np.divide(counts, sent[source_ranks], out=np.zeros_like(counts), where=sent[source_ranks] > 0)
-    return per_rank[source_ranks] * fraction[:, :, None]
+    return n, sent, capacity, local, spill, share
+
+
+def flexible_routing(counts: np.ndarray, source_ranks: Sequence[int], slots: np.ndarray) -> PairRouting:
+    """Alg. 3. counts [S, E] tokens of each source per expert, source_ranks[s] the GPU of source s
+    -> the tokens source s sends to expert e's vExperts on GPU g, for every GPU g holding e.
+
+    Per GPU g and expert e: keep min(cap_e n_{e,g}, I_{e,g}) locally (line 5), send the rest to the
+    other GPUs in proportion to their free capacity cap_e n_{e,g'} - (their own local use)
+    (lines 6-10). A GPU's sources share its routing in proportion to their counts. Computed on
+    the P (expert, holder) pairs only: O(S P), not O(S E G)."""
+    counts = _check_counts(counts, len(source_ranks))
+    slots = np.asarray(slots)
+    source_ranks = np.asarray(source_ranks, dtype=np.int64)
+    if source_ranks.size and (source_ranks.min() < 0 or source_ranks.max() >= slots.shape[0]):
+        raise ValueError(f"source ranks must lie in [0, {slots.shape[0]})")
+    n, sent, _, local, spill, share = _alg3(counts, source_ranks, slots)
+    experts, ranks = np.nonzero(n.T)  # the pairs, ascending by (expert, GPU)
+    own = ranks[None, :] == source_ranks[:, None]  # [S, P]: the pair is on the source's GPU
+    # line 10: spill of the source's GPU x this GPU's share, plus the local part on the own GPU
+    per_pair = spill[source_ranks][:, experts] * share[ranks, experts] \
+        + np.where(own, local[source_ranks][:, experts], 0.0)  # [S, P]
+    sent_by_gpu = sent[source_ranks]  # [S, E]
+    fraction = np.divide(counts, sent_by_gpu, out=np.zeros_like(counts), where=sent_by_gpu > 0)
+    return PairRouting(experts, ranks, per_pair * fraction[:, experts])
 
 
 @dataclass(frozen=True)
@@ -153,14 +179,16 @@ class FlexCostModel:
     amortize_steps: int = 1  # steps an adjustment's transfer cost is spread over
 
     def rank_times(self, counts: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """counts [G, E] -> Float[G]: sum over the experts on GPU g of T_C + T_A2A + T_Sync (Eq. 5)."""
+        """counts [G, E] -> Float[G]: sum over the experts on GPU g of T_C + T_A2A + T_Sync (Eq. 5).
+        Alg. 3 fills every vExpert to cap_e (lines 7-10 spread the spill over the free capacity),
+        so GPU g computes sum_e cap_e n_{e,g} tokens, of which it receives the part beyond its
+        own local use."""
         slots = np.asarray(slots)
         counts = _check_counts(counts, slots.shape[0])
-        num_ranks = slots.shape[0]
-        table = flexible_routing(counts, np.arange(num_ranks), slots)  # [G src, E, G dst]
-        computed = table.sum(axis=(0, 1))  # [G]
-        received = computed - table[np.arange(num_ranks), :, np.arange(num_ranks)].sum(1)  # remote only
-        held = vexpert_counts(slots, counts.shape[1]) > 0  # [G, E]
+        n, _, capacity, local, _, _ = _alg3(counts, np.arange(slots.shape[0]), slots)
+        computed = capacity.sum(1)  # [G]
+        received = (capacity - local).sum(1)  # remote only
+        held = n > 0  # [G, E]
         k = held.sum(0)  # [E] GPUs holding each expert
         sync = 2 * (k - 1) / k * self.params_per_expert * self.seconds_per_param_sent  # Eq. 9, ring
         return (computed * self.seconds_per_token  # Eq. 7
@@ -231,8 +259,12 @@ def make_scheduling_plan(counts: np.ndarray, slots: np.ndarray, cost: FlexCostMo
     """Alg. 2. counts [G, E], slots [G, V] -> [Shrink(e1), Expand(e0)] (or [Expand(e0)] into a
     free slot), the cheapest by Eq. 5 + transfer cost, or [] when none beats the current t0.
 
-    e0 / e1: the expert with the most / fewest tokens per vExpert (cap_e = I_e / n_e, lines 3-6),
-    e1 among the others with >= 2 vExperts. Shrink comes first so its slot can take the Expand."""
+    t0: Eq. 5 of the current placement (line 2). e0 / e1: the expert with the most / fewest
+    tokens per vExpert (cap_e = I_e / n_e, lines 3-6), e1 among the others with >= 2 vExperts
+    (a Shrink must leave a copy). t1: Eq. 5 after the plan plus its transfer cost (line 7), for
+    every GPU that can take the new vExpert; the cheapest is returned if t1 < t0 (lines 8-9),
+    else [] (line 10). Only e0 is ever expanded. Shrink comes first so its slot can take the
+    Expand."""
     slots = np.asarray(slots)
     counts = _check_counts(counts, slots.shape[0])
     n = vexpert_counts(slots, counts.shape[1])  # [G, E]

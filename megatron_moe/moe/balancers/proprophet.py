@@ -44,7 +44,7 @@ import torch
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.balancers.fastermoe import rows_per_rank
-from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.placement import Placement, owner_table
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.perf.proprophet_model import ProphetCostModel
@@ -235,11 +235,11 @@ def lightweight_placement(counts: torch.Tensor, source_ep_ranks: Sequence[int], 
     """The Placement of `chosen` for counts Long[S, E]: selections applied in order, as the search
     evaluated them (`Loads.replicate`); the rows a device keeps come from its own sources in source
     order, every other row fills the devices' remaining shares in source order, devices in order."""
-    placement = Placement.owner_only(counts, ep_size)
     if not chosen:
-        return placement
-    replicas = list(placement.replicas)
-    table = placement.routing_table.numpy()  # [S, E, ep], a view: filled in place
+        return Placement.owner_only(counts, ep_size)
+    replicas, table = owner_table(counts, ep_size)
+    replicas = list(replicas)
+    table = table.numpy()  # [S, E, ep], a view: filled in place
     rows_of = counts.numpy()
     sources = np.asarray(source_ep_ranks)
     loads = Loads(rows_per_rank(counts, source_ep_ranks, ep_size).numpy())

@@ -48,13 +48,9 @@ class SlotBalancer(Balancer):
         return self.experts.slot_table
 
     def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
-        slots = self.table.slots
-        held = np.zeros((self.num_experts, self.ep_size), dtype=bool)  # [E, ep]
-        ranks, cells = np.nonzero(slots >= 0)
-        held[slots[ranks, cells], ranks] = True
         counts_np = counts.long().numpy()
-        fractions = flexible_routing(counts_np, source_ep_ranks, slots)  # Alg. 3, Float[S, E, ep]
-        table = integer_routing(fractions, counts_np, held)
+        routing = flexible_routing(counts_np, source_ep_ranks, self.table.slots)  # Alg. 3, per (expert, holder)
+        table = integer_routing(routing.values, counts_np, routing.experts, routing.ranks, self.ep_size)
         return Placement.on_slots(table, [self.table.resident(q) for q in range(self.ep_size)])
 
     def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
@@ -71,15 +67,24 @@ class SlotBalancer(Balancer):
         window = torch.from_numpy(self.window)
         if self.state.edp_size > 1:  # every ep_esp group saw its own tokens: decide on their mean
             window = C.all_reduce(window.clone(), self.state.edp, kind="vexpert_plan") / self.state.edp_size
-        load = window.numpy() / max(self.window_iterations, 1)  # [ep, E] rows per iteration
+        new_slots = self.decide(window.numpy())
+        if new_slots is not None:
+            relocate(self.table, new_slots, optimizer_tensors(self.experts.stacks(), optimizer), self.state.ep)
+        return self.last_moves
+
+    def decide(self, window: np.ndarray) -> Optional[np.ndarray]:
+        """The decision of one interval, without communication (the cluster simulator calls it too):
+        `window` [ep, E] = rows per (source EP rank, expert) summed over the interval's forwards and
+        averaged over the ``edp`` groups -> the new slots Int[ep, V], or None when they stay.
+        Clears the window and counts the primitives (`ops_total`, `last_moves`)."""
+        load = window / max(self.window_iterations, 1)  # [ep, E] rows per iteration
         self.window[:], self.window_iterations = 0.0, 0
         new_slots, ops = self.propose(load)
-        if new_slots is not None and not np.array_equal(new_slots, self.table.slots):
-            relocate(self.table, new_slots, optimizer_tensors(self.experts.stacks(), optimizer), self.state.ep)
         for kind in OP_KINDS:
             self.ops_total[kind] += ops.get(kind, 0)
         self.last_moves = sum(ops.values())
-        return self.last_moves
+        changed = new_slots is not None and not np.array_equal(new_slots, self.table.slots)
+        return new_slots if changed else None
 
     def propose(self, load: np.ndarray):
         """load [ep, E] (mean rows per iteration from each EP rank's sources to each expert) ->

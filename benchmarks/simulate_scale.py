@@ -1,0 +1,72 @@
+"""The simulator's scale target (issue #13): 1024 simulated GPUs, 256 experts, 100 iterations.
+
+    python benchmarks/simulate_scale.py                       # every balancer, each against the target
+    python benchmarks/simulate_scale.py --balancers none,eplb --iterations 100
+
+A GPT-MoE (hidden 1024, 4 layers with 2 MoE layers, 256 experts, top-2, sequence 1024, one
+sequence per GPU) on 1024 GPUs of the FlexMoE A100 testbed profile (128 nodes of 8): expert 64,
+so 16 ep_esp groups (each plans its own placement), drifting Zipf(1.0) routing. Per balancer: the
+wall time of the simulation (trace generation included, start-up excluded), seconds per
+iteration, the predicted iteration time, and the machine's load average around the run (other
+jobs share the cores). The balancers' planners are the training code; their cost at this size
+is theirs. One thread: the planners' tensors are small, more threads only contend for 2 cores.
+Prints JSON on its last line.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from megatron_moe.config import load_config
+from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.perf.hardware import load_profile
+from megatron_moe.sim.report import summarize
+from megatron_moe.sim.runner import Simulation
+
+MODEL = ["model.num_layers=4", "model.hidden_size=1024", "model.ffn_hidden_size=4096", "model.num_attention_heads=16",
+         "model.seq_length=1024", "moe.num_experts=256", "moe.layer_freq=2", "parallel.expert=64",
+         "training.micro_batch_size=1", "training.global_batch_size=1024"]
+TARGET_S = 30.0
+
+
+def measure(balancer: str, gpus: int, iterations: int, profile) -> dict:
+    cfg = load_config(None, MODEL + [f"moe.balancer={balancer}"])
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        sim = Simulation(cfg, profile, gpus, tmp)
+        start = time.perf_counter()
+        results = sim.run(sim.trace("drift:1.0:0.05", iterations, seed=0).steps(), limit=iterations)
+        seconds = time.perf_counter() - start
+    s = summarize(results)
+    return {"wall_s": round(seconds, 2), "wall_s_per_iteration": round(seconds / iterations, 4),
+            "predicted_iteration_ms": round(s["iteration_ms"]["mean"], 2),
+            "balance_ratio": [round(b, 3) for b in s["balance_ratio"]], "replicas": s["replicas"],
+            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=1024)
+    p.add_argument("--iterations", type=int, default=100)
+    p.add_argument("--balancers", default=",".join(BALANCERS.names()))
+    p.add_argument("--profile", default="configs/hardware/flexmoe_azure_a100.yaml")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    profile = load_profile(args.profile)
+    results = {}
+    for balancer in args.balancers.split(","):
+        r = results[balancer] = measure(balancer, args.gpus, args.iterations, profile)
+        print(f"{balancer:12s} {r['wall_s']:8.2f} s for {args.iterations} iterations "
+              f"({r['wall_s_per_iteration'] * 1e3:.0f} ms each); predicted {r['predicted_iteration_ms']:.1f} ms "
+              f"per iteration; load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}", flush=True)
+    target = {b: r["wall_s"] < TARGET_S for b, r in results.items()} if args.iterations == 100 else None
+    print(json.dumps({"config": vars(args), "model": MODEL, "results": results, "target_30s_met": target}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

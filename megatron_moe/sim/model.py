@@ -1,0 +1,156 @@
+"""The rest of a simulated iteration around the MoE layers: each block's dense computation and
+tensor-parallel all-reduces, the output layer, the data-parallel gradient all-reduce, and Lancet's
+partitioned forward (§5), built as `Op`s from the model config.
+
+Per token and rank (h hidden, s sequence, f dense FFN width, V vocabulary, tp = N_MP), forward
+FLOPs (backward: twice; its weight-gradient half is what Lancet may defer):
+
+    attention  2 (4 h^2) / tp + 2 (2 s h) / tp      (QKV and output projections; scores and mix)
+    dense FFN  2 (2 h f) / tp, SwiGLU 2 (3 h f) / tp
+    gate       2 h E
+    head       2 h V / tp
+    every attention / dense FFN sublayer: one all-reduce of [n, h] on tp forward, one backward.
+
+Gradient all-reduce after the micro-batches: dense parameters over `dp`, expert parameters over
+`edp` (one all-reduce each, fp32). Optimizer and embedding-lookup time are not modelled.
+
+Lancet's partitioned forward (`moe.lancet.partitions` k > 1): the sublayers become §5's
+instructions with their simulated times at 1..k parts (the slowest rank's), `best_partitioning`
+(`perf/lancet_partition.py`, the dynamic program training runs on measured times) picks the
+segments, and each segment's forward runs as `pipeline_time` per rank: a computation op with the
+parts' compute, and a communication op with what the pipeline leaves exposed.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning, fixed_partitioning,
+                                                 pipeline_time)
+from megatron_moe.sim.ops import Op, OpBuilder
+
+
+class DenseModel:
+    def __init__(self, cfg, b: OpBuilder, tokens: int):
+        self.cfg, self.b, self.tokens = cfg, b, tokens
+        m, lay = cfg.model, b.world.layout
+        h, s, tp = m.hidden_size, m.seq_length, lay.tensor
+        self.attention_flops = (2 * 4 * h * h + 2 * 2 * s * h) / tp
+        self.attention_weight_share = 4 * h * h / (4 * h * h + 2 * s * h)
+        self.ffn_flops = 2 * (3 if m.activation == "swiglu" else 2) * h * m.ffn_hidden_size / tp
+        self.head_flops = 2 * h * m.vocab_size / tp
+        self.gate_flops = 2 * h * cfg.moe.num_experts
+
+    def _sublayer(self, name: str, flops_per_token: float, weight_share: float) -> Tuple[List[Op], List[Op]]:
+        b, n, h = self.b, self.tokens, self.cfg.model.hidden_size
+        fwd = [b.compute(name, flops_per_token * n, dense=True)]
+        bwd = [b.compute(name, 2 * flops_per_token * n, dense=True, deferrable=0.5 * weight_share)]
+        if b.world.layout.tensor > 1:
+            fwd.append(b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, 4, "all_reduce"))
+            bwd.insert(0, b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, 4, "all_reduce"))
+        return fwd, bwd
+
+    def attention(self) -> Tuple[List[Op], List[Op]]:
+        return self._sublayer("attention", self.attention_flops, self.attention_weight_share)
+
+    def dense_ffn(self) -> Tuple[List[Op], List[Op]]:
+        return self._sublayer("dense_ffn", self.ffn_flops, 1.0)
+
+    def gate(self) -> Tuple[List[Op], List[Op]]:
+        b, n = self.b, self.tokens
+        return [b.compute("gate", self.gate_flops * n, dense=True)], \
+            [b.compute("gate", 2 * self.gate_flops * n, dense=True, deferrable=0.5)]
+
+    def head(self) -> Tuple[List[Op], List[Op]]:
+        b, n = self.b, self.tokens
+        return [b.compute("head", self.head_flops * n, dense=True)], \
+            [b.compute("head", 2 * self.head_flops * n, dense=True, deferrable=0.5)]
+
+    def dense_params(self, moe_layers: int) -> float:
+        """Elements of dense parameters on one rank (TP-sharded matrices, replicated rest)."""
+        m, lay = self.cfg.model, self.b.world.layout
+        h, tp = m.hidden_size, lay.tensor
+        layers = m.num_layers
+        attention = (4 * h * h) / tp + 4 * h
+        ffn = (3 if m.activation == "swiglu" else 2) * h * m.ffn_hidden_size / tp + 2 * h
+        return layers * attention + (layers - moe_layers) * ffn + moe_layers * h * self.cfg.moe.num_experts + \
+            m.vocab_size * h / tp + m.seq_length * h
+
+    def grad_sync(self, moe_layers: int, expert_params_per_rank: float) -> List[Op]:
+        b = self.b
+        return [b.collective("dense_grad_allreduce", "all_reduce", "dp", self.dense_params(moe_layers), 4, "all_reduce"),
+                b.collective("expert_grad_allreduce", "all_reduce", "edp", expert_params_per_rank, 4, "all_reduce")]
+
+
+# -- Lancet's partitioned forward ----------------------------------------------------------------------
+def _slowest(ops: List[Op], parts: int, world) -> np.ndarray:
+    """[W] seconds of `ops` run in a row at 1 / parts of their size, each collective its group's slowest."""
+    total = np.zeros(world.size)
+    for op in ops:
+        if op.mode in ("compute", "sync"):
+            t = op.seconds(parts)
+            total += world.group_max(op.group, t) if op.mode == "sync" and op.group else t
+    return total
+
+
+def _moe_parts(ops: List[Op]) -> Tuple[List[Op], List[Op], List[Op]]:
+    """An MoE layer's forward ops split at its expert computation: (dispatch side, compute, combine side)."""
+    index = next(i for i, op in enumerate(ops) if op.mode == "compute" and op.name == "experts")
+    before = [op for op in ops[:index] if op.mode != "compute"]
+    compute = [op for op in ops if op.mode == "compute"]
+    after = [op for op in ops[index + 1:] if op.mode != "compute"]
+    return before, compute, after
+
+
+def lancet_segments(sublayers: List[Tuple[str, List[Op], bool]], max_parts: int, partition_range: str,
+                    world) -> List[Segment]:
+    """`moe.lancet.partition_range`: auto, §5.1's dynamic program over the simulated instruction
+    times (`best_partitioning`); N, every MoE FFN with N sublayers before and after it
+    (`fixed_partitioning`), as `moe/lancet_partition.py` decides on measured times."""
+    if str(partition_range) != "auto":
+        return fixed_partitioning([is_moe for _, _, is_moe in sublayers], max_parts, int(partition_range))
+    instructions = []
+    for label, ops, is_moe in sublayers:
+        times = {k: float(_slowest(ops, k, world).max()) for k in range(1, max_parts + 1)}
+        moe = None
+        if is_moe:
+            before, compute, after = _moe_parts(ops)
+            moe = {k: MoECost(float(_slowest(compute, k, world).max()), float(_slowest(before, k, world).max()),
+                              float(_slowest(after, k, world).max())) for k in range(1, max_parts + 1)}
+        instructions.append(Instruction(label, times, moe))
+    return best_partitioning(instructions, max_parts)[1]
+
+
+def lancet_forward(sublayers: List[Tuple[str, List[Op], bool]], segments: List[Segment],
+                   world) -> List[Tuple[str, List[Op]]]:
+    """sublayers [(label, forward ops, is MoE)] -> [(label, ops)] with each segment's ops replaced
+    by its pipeline (module docstring)."""
+    out: List[Tuple[str, List[Op]]] = []
+    start = 0
+    for seg in segments:
+        out += [(label, ops) for label, ops, _ in sublayers[start:seg.start]]
+        k = seg.parts
+        before = sum((_slowest(ops, k, world) for _, ops, _ in sublayers[seg.start:seg.moe]), np.zeros(world.size))
+        after = sum((_slowest(ops, k, world) for _, ops, _ in sublayers[seg.moe + 1:seg.end]), np.zeros(world.size))
+        label, ops, _ = sublayers[seg.moe]
+        d_ops, c_ops, x_ops = _moe_parts(ops)
+        cost = MoECost(_slowest(c_ops, k, world), _slowest(d_ops, k, world), _slowest(x_ops, k, world))
+        span = pipeline_time(k, before, cost, after)
+        busy = k * (before + after + cost.compute)  # computation, all of it on the clock
+        comm = k * (cost.dispatch + cost.combine)  # the all-to-alls, partly hidden behind it
+        marks = [op for op in ops if op.mode in ("mark", "wait")]
+        out.append((label, marks + [
+            Op("lancet_compute", "compute", lambda p, t=busy: t / p),
+            Op("lancet_all_to_all", "sync", lambda p, t=np.maximum(span - busy, 0.0): t / p, duration=comm),
+        ] + [_bytes_only(op) for _, sub, _ in sublayers[seg.start:seg.end] for op in sub if op.traffic]))
+        start = seg.end
+    out += [(label, ops) for label, ops, _ in sublayers[start:]]
+    return out
+
+
+def _bytes_only(op: Op) -> Op:
+    """`op`'s bytes without its time (it runs inside a Lancet pipeline op)."""
+    return Op(op.name, "compute", lambda k, n=len(op.traffic): np.zeros(1), traffic=op.traffic)
+
+

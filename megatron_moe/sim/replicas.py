@@ -1,0 +1,96 @@
+"""Simulated expert-weight traffic: per-iteration replicas (*Trans* / *Agg*, `moe/replicas.py`) and
+persistent vExperts (gradient sum and moves, `moe/vexperts.py`), as `Op`s on the ``ep`` groups.
+
+Every ESP shard rank j of an ep_esp group moves its own shard (Q elements, fp32) on its ep group:
+
+    Trans  expert on every EP rank (FasterMoE's shadow): a broadcast from the owner per parameter
+           tensor; the owner counts Q x 4 x (ep - 1) bytes ("trans/ep"). Otherwise point to point:
+           the owner sends Q x 4 bytes to each replica.
+    Agg    the adjoint: a reduce to the owner (every other rank counts Q x 4), or each replica
+           sends Q x 4 bytes to the owner ("agg/ep").
+    vExpert gradients: one all-reduce on ep of every expert held more than once ("vexpert_grad/ep",
+           X x Q x 4 bytes per rank), once per iteration.
+    vExpert moves: `vexperts.plan_transfers` (the code `relocate` runs) between the old and new
+           slots; each transfer's source sends Q (x 3 with AdamW's two moments) x 4 bytes
+           ("vexpert_move/ep").
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from megatron_moe.moe.vexperts import plan_transfers
+from megatron_moe.sim.ops import Op, OpBuilder, Traffic
+
+
+def _per_ep_group(b: OpBuilder, per_ep_esp_group: List[np.ndarray]) -> np.ndarray:
+    """[ep_esp groups][ep, ep] -> [ep groups, ep, ep]: every shard rank j of a group does the same."""
+    return np.stack([m for m in per_ep_esp_group for _ in range(b.world.layout.expert_shard)])
+
+
+def replica_ops(b: OpBuilder, placements: list, params: int, tensors: int, handle: str,
+                backward: bool) -> List[Op]:
+    """Trans (forward) or Agg (`backward`) of `placements` (`moe_layer.Executed`, one per ep_esp group) as issue ops on
+    the side channel `handle`: the broadcast / reduce experts one after the other, then the
+    point-to-point batch."""
+    world, cluster = b.world, b.cluster
+    ep = world.layout.expert
+    members = b.members("ep")  # [ep groups, ep]
+    owned = b.zeros()  # broadcast experts each rank owns
+    everywhere = b.zeros()  # broadcast experts in each rank's ep group
+    pairs = []  # [ep_esp groups][ep, ep] elements owner -> replica
+    for g, placement in enumerate(placements):
+        P = np.zeros((ep, ep))
+        shared = 0
+        for ranks in placement.replicas:
+            if len(ranks) == 1:
+                continue
+            if len(ranks) == ep:
+                shared += 1
+                for j in range(world.layout.expert_shard):
+                    owned[members[g * world.layout.expert_shard + j, ranks[0]]] += 1
+            else:
+                P[ranks[0], list(ranks[1:])] += params
+        pairs.append(P)
+        for j in range(world.layout.expert_shard):
+            everywhere[members[g * world.layout.expert_shard + j]] = shared
+    ops = []
+    if everywhere.any():
+        kind = "agg" if backward else "trans"
+        link = cluster.link("reduce" if backward else "broadcast")
+        spans = world.spans_nodes["ep"]
+        ab = [(link.inter or link.intra) if s else link.intra for s in spans]
+        alpha = np.array([a.alpha for a in ab])
+        beta = np.array([a.beta for a in ab])
+        cost_all = everywhere * (tensors * alpha + beta * params)
+        counted = (everywhere - owned) * params * 4 if backward else owned * params * 4 * (ep - 1)
+        ops.append(Op(kind, "issue", lambda k, c=cost_all: c / k, "ep", [Traffic(f"{kind}/ep", counted)], handle))
+    P = _per_ep_group(b, pairs)
+    if P.any():
+        kind = "agg" if backward else "trans"
+        ops.append(b.exchange(kind, kind, "ep", P.transpose(0, 2, 1) if backward else P, 4, counts_own=False,
+                              cost_kind="p2p", mode="issue", handle=handle))
+    return ops
+
+
+def vexpert_grad_op(b: OpBuilder, slots: np.ndarray, num_experts: int, params: int) -> List[Op]:
+    """`sync_replica_grads`: one all-reduce over ep of the experts held in more than one slot."""
+    shared = int((np.bincount(slots[slots >= 0], minlength=num_experts) > 1).sum())
+    if not shared or b.world.layout.expert == 1:
+        return []
+    return [b.collective("vexpert_grad", "vexpert_grad", "ep", shared * params, 4, "all_reduce")]
+
+
+def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int) -> List[Op]:
+    """`relocate` from `old` to `new` slots [ep, V]: `width` elements per transfer between ranks."""
+    ep = b.world.layout.expert
+    P = np.zeros((ep, ep))
+    for t in plan_transfers(old, new):
+        if t.src_rank != t.dst_rank:
+            P[t.src_rank, t.dst_rank] += width
+    if not P.any():
+        return []
+    groups = b.members("ep").shape[0]
+    return [b.exchange("vexpert_move", "vexpert_move", "ep", np.broadcast_to(P, (groups, ep, ep)), 4,
+                       counts_own=False, cost_kind="p2p")]

@@ -1,0 +1,149 @@
+"""Simulation results as JSON summaries, PNG plots and a ranking of option combinations.
+
+`summarize(results)` (one option's `IterationResult`s) ->
+    {"iteration_ms": {"mean", "p50", "min", "max"},
+     "moe_layer_ms": [mean per MoE layer], "balance_ratio": [...], "balance_degree": [...],
+     "replicas": [...], "schedules": [{executed schedule: count}], "plan_ms": [...],
+     "breakdown_ms": {op: {"exposed", "hidden"}}       # mean per iteration, over labels
+     "compute_ms", "communication_exposed_ms", "communication_hidden_ms", "overlap_ms",
+     "bytes_per_iteration": {kind: bytes summed over ranks}}
+
+`candidate_options()` is what `--recommend` ranks: every schedule (baseline, s1, s2, s2 + SAA,
+auto, auto + SAA) x balancer (none, fastermoe, proprophet, proprophet with its block-wise
+scheduler, flexmoe, eplb) x FasterMoE's smart schedule (off, on; not with SAA) x Lancet's dW
+scheduling (off, on), as config overrides; combinations the config rules refuse are skipped.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Dict, List
+
+import numpy as np
+
+SCHEDULES = [["moe.schedule=baseline"], ["moe.schedule=s1"], ["moe.schedule=s2"], ["moe.schedule=s2", "moe.saa=true"],
+             ["moe.schedule=auto"], ["moe.schedule=auto", "moe.saa=true"]]
+BALANCERS = [["moe.balancer=none"], ["moe.balancer=fastermoe"], ["moe.balancer=proprophet"],
+             ["moe.balancer=proprophet", "moe.proprophet.overlap=true"], ["moe.balancer=flexmoe"], ["moe.balancer=eplb"]]
+
+
+def candidate_options() -> List[List[str]]:
+    out = []
+    for schedule, balancer, smart, dw in itertools.product(SCHEDULES, BALANCERS, (False, True), (False, True)):
+        if smart and "moe.saa=true" in schedule:
+            continue
+        out.append(schedule + balancer + [f"moe.smart_schedule={str(smart).lower()}",
+                                          f"moe.lancet.defer_wgrad={str(dw).lower()}"])
+    return out
+
+
+def _mean(values) -> float:
+    return float(np.mean(values)) if len(values) else 0.0
+
+
+def summarize(results) -> Dict:
+    ms = np.array([r.seconds for r in results]) * 1e3
+    layers = len(results[0].layers) if results else 0
+    ops: Dict[str, List[float]] = {}
+    compute = comm_exposed = comm_hidden = overlap = 0.0
+    for r in results:
+        for key, (exposed, duration, kind) in r.breakdown.items():
+            name = key.split("/", 1)[1]
+            entry = ops.setdefault(name, [0.0, 0.0])
+            entry[0] += exposed
+            entry[1] += max(duration - exposed, 0.0)
+            if kind == 1.0:
+                comm_exposed += exposed
+                comm_hidden += max(duration - exposed, 0.0)
+            elif kind == 2.0:
+                overlap += exposed
+            else:
+                compute += exposed
+    n = max(len(results), 1)
+    bytes_ = {}
+    for r in results:
+        for kind, value in r.bytes_by_kind.items():
+            bytes_[kind] = bytes_.get(kind, 0.0) + value / n
+    schedules = []
+    for i in range(layers):
+        merged: Dict[str, int] = {}
+        for r in results:
+            for name, count in r.layers[i].schedules.items():
+                merged[name] = merged.get(name, 0) + count
+        schedules.append(merged)
+    return {
+        "iterations": len(results),
+        "iteration_ms": {"mean": _mean(ms), "p50": float(np.median(ms)) if len(ms) else 0.0,
+                         "min": float(ms.min()) if len(ms) else 0.0, "max": float(ms.max()) if len(ms) else 0.0},
+        "moe_layer_ms": [_mean([r.layers[i].seconds * 1e3 for r in results]) for i in range(layers)],
+        "balance_ratio": [_mean([r.layers[i].balance_ratio for r in results]) for i in range(layers)],
+        "balance_degree": [_mean([r.layers[i].balance_degree for r in results]) for i in range(layers)],
+        "replicas": [_mean([r.layers[i].replicas for r in results]) for i in range(layers)],
+        "plan_ms": [_mean([r.layers[i].plan_seconds * 1e3 for r in results]) for i in range(layers)],
+        "schedules": schedules,
+        "vexpert_moves": int(sum(r.vexpert_moves for r in results)),
+        "breakdown_ms": {name: {"exposed": e / n * 1e3, "hidden": h / n * 1e3} for name, (e, h) in sorted(ops.items())},
+        "compute_ms": compute / n * 1e3,
+        "communication_exposed_ms": comm_exposed / n * 1e3,
+        "communication_hidden_ms": comm_hidden / n * 1e3,
+        "overlap_ms": overlap / n * 1e3,  # Lancet's dW running inside backward all-to-alls
+        "bytes_per_iteration": {k: float(v) for k, v in sorted(bytes_.items())},
+    }
+
+
+def write_json(path: str, payload: Dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def plot(runs: Dict[str, list], directory: str) -> List[str]:
+    """PNGs comparing the options side by side: iteration time over the trace, the mean exposed
+    breakdown per option, and each option's balance ratio per MoE layer. Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, results in runs.items():
+        ax.plot([r.iteration for r in results], [r.seconds * 1e3 for r in results], label=name)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("predicted iteration time (ms)")
+    ax.legend(fontsize=6)
+    paths.append(_save(fig, directory, "iteration_time.png"))
+
+    summaries = {name: summarize(results) for name, results in runs.items()}
+    ops = sorted({op for s in summaries.values() for op in s["breakdown_ms"]})
+    fig, ax = plt.subplots(figsize=(9, 4 + 0.2 * len(runs)))
+    bottom = np.zeros(len(runs))
+    for op in ops:
+        values = np.array([s["breakdown_ms"].get(op, {"exposed": 0.0})["exposed"] for s in summaries.values()])
+        if values.any():
+            ax.barh(list(runs), values, left=bottom, label=op)
+            bottom += values
+    ax.set_xlabel("exposed time per iteration (ms), critical rank")
+    ax.legend(fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    paths.append(_save(fig, directory, "breakdown.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, s in summaries.items():
+        ax.plot(range(len(s["balance_ratio"])), s["balance_ratio"], marker="o", label=name)
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("balance ratio (max / mean rows per EP rank)")
+    ax.legend(fontsize=6)
+    paths.append(_save(fig, directory, "balance_ratio.png"))
+    return paths
+
+
+def _save(fig, directory: str, name: str) -> str:
+    path = os.path.join(directory, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,135 @@
+"""The cluster simulator's bytes (megatron_moe/sim/) equal the collectives' counters of real runs.
+
+Each layout runs one real MoE layer (forward + backward, skewed routing, dropless and capacity)
+per schedule and balancer on 2, 4 and 8 gloo processes; each rank reports its byte counters
+(`COMM_STATS`, every "<kind>/<group>" key, and the part sent to other nodes) and its micro-batch's
+routing counts (per TP token piece too, for S1). The simulator, given only those counts and the
+layout, must predict every rank's every counter exactly: token traffic, metadata, Trans / Agg of
+the balancers' replicas (FasterMoE, Pro-Prophet: their own plans), SAA's phased exchange, the
+smart schedule's pairwise steps, and for the vExpert balancers (EPLB, FlexMoE) the replica
+gradient sum, the decision's window all-reduce and the moves between two steps.
+"""
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_moe.config.schema import Config
+from megatron_moe.distributed import collectives as C
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.moe.layer import MoELayer
+from megatron_moe.moe.schedules.base import even_split
+from megatron_moe.perf.hardware import load_profile
+from megatron_moe.sim.ops import inter_node_traffic_of, traffic_of
+from megatron_moe.sim.runner import Simulation
+from tests.distributed.harness import per_world_spawner
+
+pytestmark = pytest.mark.distributed
+PROFILE = "configs/hardware/cpu_gloo_2proc.yaml"
+B, S, H, FFN, E = 2, 6, 8, 16, 4
+RUNS = [  # (schedule, saa, balancer, smart, capacity_factor)
+    ("baseline", False, "none", False, None), ("baseline", False, "fastermoe", False, 1.0),
+    ("s1", False, "proprophet", False, None), ("s2", False, "none", False, 1.0),
+    ("s2", True, "fastermoe", False, None), ("auto", True, "proprophet", False, 1.0), ("auto", False, "none", False, None),
+    ("baseline", False, "fastermoe", True, None), ("s2", False, "none", True, 1.0),
+    ("baseline", False, "eplb", False, None), ("s2", False, "flexmoe", False, 1.0),
+]
+LAYOUTS = [(2, dict(expert=2)), (4, dict(tensor=2, expert=2)), (4, dict(expert=2, expert_shard=2, ranks_per_node=2)),
+           (8, dict(tensor=2, expert=2, expert_shard=2, ranks_per_node=4)), (8, dict(tensor=4, expert=2))]
+
+
+def run_config(run, layout: dict) -> Config:
+    schedule, saa, balancer, smart, capacity = run
+    cfg = Config()
+    cfg.model.hidden_size, cfg.model.seq_length, cfg.model.num_attention_heads, cfg.model.num_layers = H, S, 4, 1
+    cfg.training.micro_batch_size = B
+    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.expert_ffn_hidden_size = E, 2, capacity, FFN
+    cfg.moe.schedule, cfg.moe.saa, cfg.moe.balancer, cfg.moe.smart_schedule = schedule, saa, balancer, smart
+    cfg.moe.fastermoe.min_shadow, cfg.moe.proprophet.min_replicas = 1, 1
+    cfg.moe.flexmoe.interval = cfg.moe.eplb.interval = 1
+    cfg.moe.flexmoe.threshold = 1.0
+    cfg.parallel.tensor, cfg.parallel.expert = layout.get("tensor", 1), layout.get("expert", 1)
+    cfg.parallel.expert_shard = layout.get("expert_shard", 1)
+    cfg.perf.hardware_profile = PROFILE
+    return cfg
+
+
+def _step(layer, x, grad):
+    C.COMM_STATS.reset()
+    inp = x.clone().requires_grad_(True)
+    y, aux = layer(inp)
+    ((y * grad).sum() + aux).backward()
+    layer.balancer.before_grad_sync()
+    layer.zero_grad(set_to_none=True)
+    return C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)
+
+
+def _real(state, jobs):
+    out = []
+    for kwargs in jobs:
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank)
+        coords = sub.layout.coords(sub.rank)
+        gen = torch.Generator().manual_seed(7 + coords["dp"])  # every data-parallel rank its own tokens
+        x, grad = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+        results = []
+        for run in RUNS:
+            layer = MoELayer(run_config(run, kwargs), sub, layer_index=0)
+            init_model_from_seed_(layer, 3, sub)
+            layer.router.logit_bias = -1.5 * torch.log(torch.arange(1, E + 1, dtype=torch.float32))  # skew
+            with torch.no_grad():
+                ids = layer.router(x.view(B * S, H)).expert_ids  # the routing every schedule computes
+            pieces = [torch.bincount(p.flatten(), minlength=E) for p in ids.split(even_split(B * S, sub.tp_size))]
+            steps, moves = [_step(layer, x, grad)], 0
+            if layer.balancer.slots_per_rank is not None:  # vExperts: decide and move, then a second step
+                C.COMM_STATS.reset()
+                moves = layer.balancer.after_optimizer_step(1, None)
+                steps += [(C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)), _step(layer, x, grad)]
+            results.append(dict(steps=steps, moves=moves, counts=layer.last_stats.tokens_per_expert,
+                                pieces=torch.stack(pieces)))
+        out.append(results)
+    return out
+
+
+spawn = per_world_spawner(LAYOUTS, _real)
+
+
+def _per_rank(dicts, world):
+    """[rank] {key: bytes} -> {key: Int[W]} without zero entries."""
+    keys = sorted({k for d in dicts for k, v in d.items() if v})
+    return {k: np.array([d.get(k, 0) for d in dicts], dtype=np.int64) for k in keys}
+
+
+def _check(real, ops, what):
+    """real: [rank] (bytes, inter-node bytes) counters; ops: the simulator's ops of the same step."""
+    for index, predicted in enumerate((traffic_of(ops), inter_node_traffic_of(ops))):
+        expected = _per_rank([r[index] for r in real], len(real))
+        predicted = {k: np.round(v).astype(np.int64) for k, v in predicted.items() if np.round(v).any()}
+        assert sorted(predicted) == sorted(expected), f"{what} ({'inter-node ' if index else ''}keys)"
+        for key in expected:
+            np.testing.assert_array_equal(predicted[key], expected[key], err_msg=f"{what}: {key}")
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS, ids=[str(kw) for _, kw in LAYOUTS])
+def test_simulated_bytes_equal_the_real_counters(world, layout):
+    results = spawn(world)[str(layout)]
+    lay = RankLayout(world_size=world, **layout)
+    profile = load_profile(PROFILE)
+    for r, run in enumerate(RUNS):
+        ranks = [results[q][r] for q in range(world)]
+        by_dp = {lay.coords(q)["dp"]: ranks[q] for q in range(world)}
+        counts = np.stack([by_dp[d]["counts"].numpy() for d in sorted(by_dp)])  # [dp, E]
+        pieces = np.stack([by_dp[d]["pieces"].numpy() for d in sorted(by_dp)])  # [dp, tp, E]
+        cfg = run_config(run, layout)
+        cfg.parallel.ranks_per_node = layout.get("ranks_per_node")
+        with tempfile.TemporaryDirectory() as tmp:
+            sim = Simulation(cfg, profile, world, tmp)
+            steps = [[q["steps"][i] for q in ranks] for i in range(len(ranks[0]["steps"]))]
+            what = f"{run} on {layout} counts {counts.tolist()}"
+            _check(steps[0], sim.layer_ops(counts, pieces), what)
+            if len(steps) > 1:
+                ops, moves = sim.after_step(1, optimizer_state=False)
+                assert moves == ranks[0]["moves"] and (moves > 0 or run[2] != "eplb"), what  # EPLB always moves here
+                _check(steps[1], ops, what + " moves")
+                _check(steps[2], sim.layer_ops(counts, pieces), what + " step 2")
