@@ -30,14 +30,16 @@ class WorldLayout:
         dp, tp_rank = np.divmod(rank, tp)
         edp, inner = np.divmod(rank, ep * esp)
         ep_rank, esp_rank = np.divmod(inner, esp)
-        self.coord: Dict[str, np.ndarray] = {"tp": tp_rank, "dp": dp, "pp": np.zeros(W, dtype=np.int64),
-                                             "ep": ep_rank, "esp": esp_rank, "ep_esp": inner, "edp": edp, "world": rank}
+        zero = np.zeros(W, dtype=np.int64)
+        self.coord: Dict[str, np.ndarray] = {"tp": tp_rank, "dp": dp, "pp": zero, "ep": ep_rank, "esp": esp_rank,
+                                             "ep_esp": inner, "edp": edp, "embedding": zero, "world": rank}
         # a rank's group of each kind is identified by the coordinates it shares with its members
+        # (one stage: every rank's pp and embedding groups are itself)
         self.group_id: Dict[str, np.ndarray] = {
             "tp": dp, "dp": tp_rank, "pp": rank, "esp": edp * ep + ep_rank, "ep": edp * esp + esp_rank,
-            "ep_esp": edp, "edp": inner, "world": np.zeros(W, dtype=np.int64)}
+            "ep_esp": edp, "edp": inner, "embedding": rank, "world": zero}
         self.group_size = {"tp": tp, "dp": layout.data_parallel, "pp": 1, "esp": esp, "ep": ep, "ep_esp": ep * esp,
-                           "edp": layout.expert_data_parallel, "world": W}
+                           "edp": layout.expert_data_parallel, "embedding": 1, "world": W}
         self._members: Dict[str, np.ndarray] = {}
         per_node = layout.ranks_per_node or W
         self.node = rank // per_node
