@@ -16,6 +16,9 @@ after --warmup (`bubble_measured`) next to
   chunk step (`pipeline_compute_ms` / (v m)): the bubble of these unequal stages (the first holds
   the embedding, the last the output layer and the loss) with free messages. measured - simulated
   is what the runtime adds: point-to-point latency and the schedule's own Python time;
+* `bubble_predicted`: what the cluster simulator (megatron_moe/sim/, docs/simulator.md) predicts
+  for the same config from a hardware profile alone (--profile: this machine's fitted costs),
+  replaying the run's routing trace: no measured time goes in;
 
 and the median step time.
 
@@ -34,6 +37,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_moe.config import load_config  # noqa: E402
+from megatron_moe.perf.hardware import load_profile  # noqa: E402
+from megatron_moe.sim.runner import Simulation  # noqa: E402
 from megatron_moe.training.pipeline_schedules import programs, simulate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="first iterations left out of the medians")
     p.add_argument("--memory-nproc", type=int, default=4, help="processes of the memory rows (0 = no memory rows)")
     p.add_argument("--override", action="append", default=[], help="further dotted config overrides")
+    p.add_argument("--profile", default="configs/hardware/cpu_gloo_2proc.yaml",
+                   help="hardware profile of the simulator's bubble_predicted")
     args = p.parse_args(argv)
     args.micro_batches = [int(m) for m in args.micro_batches.split(",") if m]
     if args.warmup >= args.iters:
@@ -73,6 +81,15 @@ def train(args, nproc: int, overrides, run_dir: str) -> list:
         return [r for r in map(json.loads, f) if "iter_time_ms" in r]
 
 
+def predicted_bubble(args, overrides, run_dir: str) -> float:
+    """The cluster simulator's median bubble over the run's iterations after --warmup, on its routing trace."""
+    cfg = load_config(os.path.join(ROOT, args.config), MODEL + overrides + args.override)
+    with tempfile.TemporaryDirectory() as work:
+        sim = Simulation(cfg, load_profile(os.path.join(ROOT, args.profile)), args.stages, work)
+        results = sim.run(sim.trace(os.path.join(run_dir, "routing"), 0).steps())
+    return statistics.median(r.pipeline_bubble for r in results[args.warmup:])
+
+
 def bubble_rows(args, tmp: str) -> list:
     rows = []
     schedules = [("1f1b", 1), ("interleaved", args.virtual)]
@@ -81,14 +98,17 @@ def bubble_rows(args, tmp: str) -> list:
             if virtual > 1 and m % args.stages:
                 continue  # interleaving needs m divisible by the stages
             overrides = [f"parallel.pipeline={args.stages}", f"parallel.pipeline_schedule={schedule}",
-                         f"parallel.virtual_stages={virtual}", f"training.global_batch_size={2 * m}"]
-            records = train(args, args.stages, overrides, os.path.join(tmp, f"{schedule}-{m}"))[args.warmup:]
+                         f"parallel.virtual_stages={virtual}", f"training.global_batch_size={2 * m}",
+                         "logging.routing_trace=true"]
+            run_dir = os.path.join(tmp, f"{schedule}-{m}")
+            records = train(args, args.stages, overrides, run_dir)[args.warmup:]
             progs = programs(schedule, args.stages, m, virtual)
             simulated = [simulate(progs, virtual, *zip(*[[ms / (m * virtual) for ms in r["pipeline_compute_ms"][f"rank{s}"]]
                                                           for s in range(args.stages)])).mean_bubble for r in records]
             row = {"schedule": schedule, "stages": args.stages, "virtual_stages": virtual, "micro_batches": m,
                    "bubble_measured": round(statistics.median(r["pipeline_bubble"] for r in records), 4),
                    "bubble_simulated": round(statistics.median(simulated), 4),
+                   "bubble_predicted": round(predicted_bubble(args, overrides, run_dir), 4),
                    "bubble_ideal": round(records[0]["pipeline_bubble_ideal"], 4),
                    "step_ms": round(statistics.median(r["iter_time_ms"] for r in records), 1),
                    "pipeline_bytes_rank0": records[0]["comm_bytes"].get("pipeline", 0)}

@@ -6,11 +6,14 @@
     python tools/simulate.py ... --trace runs/my_run/routing          # replay a recorded trace
     python tools/simulate.py ... --recommend                          # rank every option combination
     python tools/simulate.py ... --recommend --option ... --option ...  # rank just these
+    python tools/simulate.py ... --recommend --option parallel.pipeline=1 --option parallel.pipeline=2 \
+        --option "parallel.pipeline=2 parallel.pipeline_schedule=interleaved parallel.virtual_stages=2"
 
 Each --option is one combination of config overrides (space- or comma-separated) applied on top of
 the config and its overrides; without --option the config runs as is. Per option: the predicted
 iteration time, its breakdown (compute, each collective, Trans / Agg, exposed vs hidden) on the
-critical rank, per MoE layer time, balance ratio and replicas. Writes <out>/summary.json (and
+critical rank, per MoE layer time, balance ratio and replicas, and with pipeline stages the
+predicted bubble next to the ideal (p - 1) / (v m + p - 1). Writes <out>/summary.json (and
 per-iteration details in <out>/<option>.json) and PNG plots; prints one JSON object on its last
 line. --recommend ranks the --option combinations (default: every one of
 `megatron_moe.sim.report.candidate_options()`) and prints the overrides of the fastest. docs/simulator.md has the model and every knob.
@@ -69,8 +72,10 @@ def main(argv=None) -> int:
                 print(f"[{i + 1}/{len(options)}] {name}: skipped ({exc})", flush=True)
                 continue
             s = summarize(runs[name])
+            bubble = f", pipeline bubble {s['pipeline_bubble']:.3f} (ideal {s['pipeline_bubble_ideal']:.3f})" \
+                if s["pipeline_bubble_ideal"] else ""
             print(f"[{i + 1}/{len(options)}] {name}: {s['iteration_ms']['mean']:.2f} ms/iteration, MoE layers "
-                  f"{sum(s['moe_layer_ms']):.2f} ms, balance {max(s['balance_ratio'], default=1):.2f} "
+                  f"{sum(s['moe_layer_ms']):.2f} ms, balance {max(s['balance_ratio'], default=1):.2f}{bubble} "
                   f"({time.perf_counter() - start:.1f} s)", flush=True)
     if not runs:
         print(f"simulate.py: no option could run: {skipped}", file=sys.stderr)
@@ -94,11 +99,11 @@ def main(argv=None) -> int:
                          "breakdown_ms": {k: [v[0] * 1e3, v[1] * 1e3] for k, v in r.breakdown.items()},
                          "layers": [{"ms": layer.seconds * 1e3, "balance_ratio": layer.balance_ratio,
                                      "replicas": layer.replicas, "schedules": layer.schedules} for layer in r.layers],
-                         "bytes": r.bytes_by_kind} for r in results])
+                         "pipeline_bubble": r.pipeline_bubble, "bytes": r.bytes_by_kind} for r in results])
         out["plots"] = plot(runs if not args.recommend else {n: runs[n] for n in ranked[: args.top]}, args.out)
     print(json.dumps({k: v for k, v in out.items() if k != "options"} | {"summary": {
-        n: {"iteration_ms": summaries[n]["iteration_ms"]["mean"], "balance_ratio": summaries[n]["balance_ratio"]}
-        for n in ranked}}))
+        n: {"iteration_ms": summaries[n]["iteration_ms"]["mean"], "balance_ratio": summaries[n]["balance_ratio"],
+            "pipeline_bubble": summaries[n]["pipeline_bubble"]} for n in ranked}}))
     return 0
 
 

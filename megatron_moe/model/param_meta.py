@@ -115,7 +115,8 @@ def init_from_seed_(param: torch.nn.Parameter, name: str, seed: int, state: Para
 
 def init_model_from_seed_(model: torch.nn.Module, seed: int, state: ParallelState) -> None:
     """Initialize every parameter that has a `meta` from the seed; names are the module's
-    `named_parameters()` names, so they are identical on every layout."""
+    `named_parameters()` names, so they are identical on every layout. A model built on the meta
+    device (the cluster simulator's parameter inventory, sim/params.py) has no values to fill."""
     for name, p in model.named_parameters():
-        if hasattr(p, "meta"):
+        if hasattr(p, "meta") and not p.is_meta:
             init_from_seed_(p, name, seed, state)

@@ -1,13 +1,19 @@
-"""Every simulated rank's coordinates as arrays (`RankLayout`'s arithmetic, vectorized over the world).
+"""The ranks of one pipeline stage and their coordinates as arrays (`RankLayout`'s arithmetic,
+vectorized over the stage).
 
     world = WorldLayout(RankLayout(world_size=1024, tensor=4, expert=64, expert_shard=4, ranks_per_node=8))
-    world.coord["ep"]          # Int[W] EP rank of every rank
-    world.group_id["tp"]       # Int[W] which tp group every rank is in (groups partition the world)
-    world.spans_nodes["ep"]    # Bool[W] does the rank's ep group span several nodes?
-    world.group_max("ep", x)   # Float[W] the max of x over each rank's ep group
+    world.coord["ep"]          # Int[S] EP rank of every rank of the stage (S = world / pipeline)
+    world.group_id["tp"]       # Int[S] which tp group every rank is in (groups partition the stage)
+    world.spans_nodes["ep"]    # Bool[S] does the rank's ep group span several nodes?
+    world.group_max("ep", x)   # Float[S] the max of x over each rank's ep group
 
-A simulated iteration runs on one pipeline stage (`parallel.pipeline` 1). The expert view's
-`ep_esp` groups are indexed by `edp` rank; inside one, ranks are ``ep_rank * esp + esp_rank``.
+Pipeline stage `stage` holds global ranks `offset + local` (offset = stage x S), which fixes the
+nodes. The groups inside the stage (`STAGE_GROUPS`) have members, group max / min; inside a stage
+the expert view's `ep_esp` groups are indexed by `edp` rank; inside one, ranks are
+``ep_rank * esp + esp_rank``. The groups across stages (`pp`, `embedding`, `world`) have every
+rank's coordinate, group id (ranks of this stage in one group share it), size and whether the
+group spans nodes, as ParallelState's; their collectives are timed across the stages by
+`sim/pipeline.py`. With one stage, every rank's `pp` and `embedding` groups are itself.
 """
 from __future__ import annotations
 
@@ -15,39 +21,48 @@ from typing import Dict
 
 import numpy as np
 
-from megatron_moe.distributed.parallel_state import GROUP_NAMES, RankLayout
+from megatron_moe.distributed.parallel_state import RankLayout
+
+STAGE_GROUPS = ("tp", "dp", "ep", "esp", "ep_esp", "edp")
 
 
 class WorldLayout:
-    def __init__(self, layout: RankLayout):
-        if layout.pipeline != 1:
-            raise ValueError(f"the simulator models one pipeline stage; parallel.pipeline={layout.pipeline}")
-        self.layout = layout
-        W = layout.world_size
-        self.size = W
-        rank = np.arange(W)
+    def __init__(self, layout: RankLayout, stage: int = 0):
+        self.layout, self.stage = layout, stage
+        S = layout.stage_size
+        self.size, self.offset = S, stage * S
+        rank = np.arange(S)
         tp, ep, esp = layout.tensor, layout.expert, layout.expert_shard
         dp, tp_rank = np.divmod(rank, tp)
         edp, inner = np.divmod(rank, ep * esp)
         ep_rank, esp_rank = np.divmod(inner, esp)
-        zero = np.zeros(W, dtype=np.int64)
-        self.coord: Dict[str, np.ndarray] = {"tp": tp_rank, "dp": dp, "pp": zero, "ep": ep_rank, "esp": esp_rank,
-                                             "ep_esp": inner, "edp": edp, "embedding": zero, "world": rank}
+        self.coord: Dict[str, np.ndarray] = {"tp": tp_rank, "dp": dp, "ep": ep_rank, "esp": esp_rank, "ep_esp": inner,
+                                             "edp": edp}
         # a rank's group of each kind is identified by the coordinates it shares with its members
-        # (one stage: every rank's pp and embedding groups are itself)
-        self.group_id: Dict[str, np.ndarray] = {
-            "tp": dp, "dp": tp_rank, "pp": rank, "esp": edp * ep + ep_rank, "ep": edp * esp + esp_rank,
-            "ep_esp": edp, "edp": inner, "embedding": rank, "world": zero}
-        self.group_size = {"tp": tp, "dp": layout.data_parallel, "pp": 1, "esp": esp, "ep": ep, "ep_esp": ep * esp,
-                           "edp": layout.expert_data_parallel, "embedding": 1, "world": W}
+        self.group_id: Dict[str, np.ndarray] = {"tp": dp, "dp": tp_rank, "esp": edp * ep + ep_rank,
+                                                "ep": edp * esp + esp_rank, "ep_esp": edp, "edp": inner}
+        self.group_size = {"tp": tp, "dp": layout.data_parallel, "esp": esp, "ep": ep, "ep_esp": ep * esp,
+                           "edp": layout.expert_data_parallel}
         self._members: Dict[str, np.ndarray] = {}
-        per_node = layout.ranks_per_node or W
-        self.node = rank // per_node
+        self.node = node_of(layout, self.offset + rank)
         self.spans_nodes = {name: self.group_max(name, self.node) != self.group_min(name, self.node)
-                            for name in GROUP_NAMES}
+                            for name in STAGE_GROUPS}
+        # the groups across stages, as ParallelState has them: a rank's pp group is its local rank on
+        # every stage, its embedding group the first and last stage's (a middle stage's rank alone)
+        p, zero = layout.pipeline, np.zeros(S, dtype=np.int64)
+        ends = p > 1 and stage in (0, p - 1)
+        self.coord.update(pp=zero + stage, embedding=zero + int(p > 1 and stage == p - 1), world=self.offset + rank)
+        self.group_id.update(pp=rank, embedding=rank if ends else self.offset + rank, world=zero)
+        self.group_size.update(pp=p, embedding=2 if ends else 1, world=layout.world_size)
+        for name, stages in (("pp", range(p)), ("embedding", (0, p - 1) if ends else (stage,))):
+            nodes = np.stack([node_of(layout, t * S + rank) for t in stages])  # [member stages, S]
+            self.spans_nodes[name] = (nodes != nodes[0]).any(0)
+        self.spans_nodes["world"] = np.full(S, node_of(layout, layout.world_size - 1) > 0)
 
     def members(self, name: str) -> np.ndarray:
-        """Int[G, n]: the global ranks of every `name` group in member order (ascending)."""
+        """Int[G, n]: the stage's ranks of every `name` group in member order (ascending); only the
+        groups inside the stage (`STAGE_GROUPS`)."""
+        assert name in STAGE_GROUPS, f"group {name} spans pipeline stages (sim/pipeline.py)"
         if name not in self._members:
             order = np.lexsort((np.arange(self.size), self.group_id[name]))
             self._members[name] = order.reshape(-1, self.group_size[name])
@@ -63,18 +78,18 @@ class WorldLayout:
         return out
 
     def group_max(self, name: str, values: np.ndarray) -> np.ndarray:
-        """Float[W]: the max of `values` [W] over each rank's `name` group."""
+        """Float[S]: the max of `values` [S] over each rank's `name` group."""
         return self._reduce(name, values, np.max)
 
     def group_min(self, name: str, values: np.ndarray) -> np.ndarray:
         return self._reduce(name, values, np.min)
 
-    def global_rank(self, edp: int, ep_rank: np.ndarray, esp_rank: np.ndarray) -> np.ndarray:
-        """Global ranks of (ep_rank, esp_rank) pairs (broadcast) inside ep_esp group `edp`."""
-        lay = self.layout
-        return edp * lay.expert * lay.expert_shard + np.asarray(ep_rank) * lay.expert_shard + np.asarray(esp_rank)
-
     def ep_esp_ranks(self, edp: int) -> np.ndarray:
-        """Int[ep * esp]: the global ranks of ep_esp group `edp`, in group order."""
+        """Int[ep * esp]: the stage's ranks of ep_esp group `edp`, in group order."""
         n = self.layout.expert * self.layout.expert_shard
         return np.arange(edp * n, (edp + 1) * n)
+
+
+def node_of(layout: RankLayout, ranks: np.ndarray) -> np.ndarray:
+    """The node of every global rank (consecutive ranks share a node; one node when unknown)."""
+    return np.asarray(ranks) // (layout.ranks_per_node or layout.world_size)

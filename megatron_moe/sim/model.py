@@ -1,18 +1,20 @@
-"""The rest of a simulated iteration around the MoE layers: each block's dense computation and
-tensor-parallel all-reduces, the output layer, the data-parallel gradient all-reduce, and Lancet's
-partitioned forward (§5), built as `Op`s from the model config.
+"""The rest of a simulated micro-batch around the MoE layers: each block's dense computation and
+tensor-parallel all-reduces, the embedding (first model chunk), the output layer and loss (last
+model chunk), and Lancet's partitioned forward (§5), built as `Op`s from the model config (GPT).
 
-Per token and rank (h hidden, s sequence, f dense FFN width, V vocabulary, tp = N_MP), forward
-FLOPs (backward: twice; its weight-gradient half is what Lancet may defer):
+Per token and rank (n tokens, h hidden, s sequence, f dense FFN width, V vocabulary, tp = N_MP),
+forward FLOPs (backward: twice; its weight-gradient half is what Lancet may defer):
 
     attention  2 (4 h^2) / tp + 2 (2 s h) / tp      (QKV and output projections; scores and mix)
     dense FFN  2 (2 h f) / tp, SwiGLU 2 (3 h f) / tp
     gate       2 h E
-    head       2 h V / tp
-    every attention / dense FFN sublayer: one all-reduce of [n, h] on tp forward, one backward.
+    head       2 h V / tp                           (the output layer)
 
-Gradient all-reduce after the micro-batches: dense parameters over `dp`, expert parameters over
-`edp` (one all-reduce each, fp32). Optimizer and embedding-lookup time are not modelled.
+Tensor-parallel collectives (fp32, kind "all_reduce/tp"): every attention / dense FFN sublayer one
+all-reduce of [n, h] forward and one backward; the vocab-parallel embedding one of [n, h] forward;
+the vocab-parallel cross-entropy three of [n] (max, sum of exponentials, target logit) forward and
+the output layer's input one of [n, h] backward. The embedding lookup's time and the gradient
+sync after the micro-batches (`sim/params.py`) are not here.
 
 Lancet's partitioned forward (`moe.lancet.partitions` k > 1): the sublayers become §5's
 instructions with their simulated times at 1..k parts (the slowest rank's), `best_partitioning`
@@ -62,25 +64,20 @@ class DenseModel:
         return [b.compute("gate", self.gate_flops * n, dense=True)], \
             [b.compute("gate", 2 * self.gate_flops * n, dense=True, deferrable=0.5)]
 
+    def _tp_allreduce(self, name: str, elements: int) -> List[Op]:
+        tp = self.b.world.layout.tensor > 1
+        return [self.b.collective(name, "all_reduce", "tp", elements, 4, "all_reduce")] if tp else []
+
+    def embedding(self) -> Tuple[List[Op], List[Op]]:
+        """The vocab-parallel lookup's all-reduce (forward; its backward is local)."""
+        return self._tp_allreduce("embedding_tp_allreduce", self.tokens * self.cfg.model.hidden_size), []
+
     def head(self) -> Tuple[List[Op], List[Op]]:
         b, n = self.b, self.tokens
-        return [b.compute("head", self.head_flops * n, dense=True)], \
-            [b.compute("head", 2 * self.head_flops * n, dense=True, deferrable=0.5)]
-
-    def dense_params(self, moe_layers: int) -> float:
-        """Elements of dense parameters on one rank (TP-sharded matrices, replicated rest)."""
-        m, lay = self.cfg.model, self.b.world.layout
-        h, tp = m.hidden_size, lay.tensor
-        layers = m.num_layers
-        attention = (4 * h * h) / tp + 4 * h
-        ffn = (3 if m.activation == "swiglu" else 2) * h * m.ffn_hidden_size / tp + 2 * h
-        return layers * attention + (layers - moe_layers) * ffn + moe_layers * h * self.cfg.moe.num_experts + \
-            m.vocab_size * h / tp + m.seq_length * h
-
-    def grad_sync(self, moe_layers: int, expert_params_per_rank: float) -> List[Op]:
-        b = self.b
-        return [b.collective("dense_grad_allreduce", "all_reduce", "dp", self.dense_params(moe_layers), 4, "all_reduce"),
-                b.collective("expert_grad_allreduce", "all_reduce", "edp", expert_params_per_rank, 4, "all_reduce")]
+        loss = [op for _ in range(3) for op in self._tp_allreduce("loss_tp_allreduce", n)]
+        return [b.compute("head", self.head_flops * n, dense=True)] + loss, \
+            [b.compute("head", 2 * self.head_flops * n, dense=True, deferrable=0.5)] + \
+            self._tp_allreduce("head_tp_allreduce", n * self.cfg.model.hidden_size)
 
 
 # -- Lancet's partitioned forward ----------------------------------------------------------------------

@@ -6,6 +6,7 @@
      "replicas": [...], "schedules": [{executed schedule: count}], "plan_ms": [...],
      "breakdown_ms": {op: {"exposed", "hidden"}}       # mean per iteration, over labels
      "compute_ms", "communication_exposed_ms", "communication_hidden_ms", "overlap_ms",
+     "pipeline_idle_ms", "pipeline_bubble", "pipeline_bubble_ideal",   # 0 with one pipeline stage
      "bytes_per_iteration": {kind: bytes summed over ranks}}
 
 `candidate_options()` is what `--recommend` ranks: every schedule (baseline, s1, s2, s2 + SAA,
@@ -46,7 +47,7 @@ def summarize(results) -> Dict:
     ms = np.array([r.seconds for r in results]) * 1e3
     layers = len(results[0].layers) if results else 0
     ops: Dict[str, List[float]] = {}
-    compute = comm_exposed = comm_hidden = overlap = 0.0
+    compute = comm_exposed = comm_hidden = overlap = idle = 0.0
     for r in results:
         for key, (exposed, duration, kind) in r.breakdown.items():
             name = key.split("/", 1)[1]
@@ -58,6 +59,8 @@ def summarize(results) -> Dict:
                 comm_hidden += max(duration - exposed, 0.0)
             elif kind == 2.0:
                 overlap += exposed
+            elif kind == 3.0:
+                idle += exposed
             else:
                 compute += exposed
     n = max(len(results), 1)
@@ -88,6 +91,9 @@ def summarize(results) -> Dict:
         "communication_exposed_ms": comm_exposed / n * 1e3,
         "communication_hidden_ms": comm_hidden / n * 1e3,
         "overlap_ms": overlap / n * 1e3,  # Lancet's dW running inside backward all-to-alls
+        "pipeline_idle_ms": idle / n * 1e3,  # the critical stage waiting for the others (its bubble)
+        "pipeline_bubble": _mean([r.pipeline_bubble for r in results]),
+        "pipeline_bubble_ideal": _mean([r.pipeline_bubble_ideal for r in results]),
         "bytes_per_iteration": {k: float(v) for k, v in sorted(bytes_.items())},
     }
 

@@ -2,7 +2,8 @@
 
     sim = Simulation(cfg, profile, world_size=1024, workdir=tmp)
     result = sim.run(trace.steps())          # per iteration and MoE layer: time, breakdown, balance
-    sim.layer_traffic(counts)                # one layer's bytes per rank and counter key (tests)
+    sim.layer_ops(counts)                    # one layer's ops (`ops.traffic_of`: its bytes per rank)
+    sim.traffic                              # the last iteration's bytes per rank and counter key
 
 Per iteration and micro-batch, per MoE layer in order: capacity drops on each data-parallel
 micro-batch (the router's rule: expert e keeps min(count, C), C = ceil(f n k / E)); the schedule's
@@ -10,13 +11,17 @@ sources and counts; the balancers' placements from their own `plan` (one balance
 ep_esp group, as every rank of a group holds the same one; vExpert balancers share one slot table
 per layer, as the all-reduced window makes every group decide alike); `observe` with the executed
 placement's counts, as a training forward does; then the ops (`sim/moe_layer.py`,
-`sim/replicas.py`, `sim/model.py`) run through the timeline (`sim/timeline.py`). After the
-micro-batches: the gradient all-reduces, vExperts' gradient sum, and every `interval` iterations
-their `decide` on the window averaged over the groups, with the moves `relocate` would make.
+`sim/replicas.py`, `sim/model.py`) of each model chunk (`model/pipeline_stages.py`'s split) run
+through timelines (`sim/timeline.py`) on their pipeline stage's ranks (`sim/layout.py`): with one
+stage, each micro-batch's forward and backward on one timeline; with several, each chunk's
+forward and backward of each micro-batch on its own, ordered by the training code's pipeline
+programs (`sim/pipeline.py`). After the micro-batches: the vExperts' gradient sum, the gradient
+sync, grad norm and loss sums (`sim/params.py`), and every `interval` iterations the vExperts'
+`decide` on the window averaged over the groups, with the moves `relocate` would make.
 
 The decisions come from the training code (`Balancer.plan` / `observe` / `SlotBalancer.decide`,
 `perf/parm_model.py`'s Alg. 1), fed a flat profile derived from the cluster for this layout
-(`sim/cluster.decision_profile`); only time is modelled.
+(`sim/cluster.decision_profile`, stage 0's ranks); only time is modelled.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +38,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import expert_ffn_hidden_size, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.model.pipeline_stages import StageChunks
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.vexperts import SlotTable
 from megatron_moe.perf.calibrate import ExpertShape
@@ -40,11 +46,16 @@ from megatron_moe.perf.hardware import HardwareProfile, save_profile
 from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import WorldLayout
 from megatron_moe.sim.model import DenseModel, lancet_forward, lancet_segments
-from megatron_moe.sim.moe_layer import SCHEDULE_MODELS, LayerShape
-from megatron_moe.sim.ops import OpBuilder, traffic_of
+from megatron_moe.sim.moe_layer import SCHEDULE_MODELS, LayerShape, ScheduleModel
+from megatron_moe.sim.ops import Op, OpBuilder, Traffic
+from megatron_moe.sim.params import StageParams, end_ops
+from megatron_moe.sim.pipeline import Pipeline
 from megatron_moe.sim.replicas import replica_ops, vexpert_grad_op, vexpert_move_op
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.sim.traces import RecordedTrace, SyntheticTrace, split_even
+from megatron_moe.training.pipeline_schedules import expected_bubble
+
+IDLE = 3.0  # breakdown kind of a stage's idle time in the pipeline (0 compute, 1 communication, 2 overlap)
 
 
 def moe_layer_indices(cfg: Config) -> List[int]:
@@ -95,11 +106,45 @@ class LayerResult:
 class IterationResult:
     iteration: int
     seconds: float
-    # "<label>/<op>" -> [exposed, duration, communication (1) or computation (0)] on the critical rank
+    # "<label>/<op>" -> [exposed, duration, kind: communication 1, computation 0, overlap 2, idle 3] on
+    # the critical rank (with pipeline stages: of the stage that finishes last; "pipeline/idle" its bubble)
     breakdown: Dict[str, List[float]]
     layers: List[LayerResult]
     bytes_by_kind: Dict[str, float]  # summed over ranks
     vexpert_moves: int = 0
+    pipeline_bubble: float = 0.0  # the trainer's metric: per stage 1 - compute / the slowest stage's program
+    pipeline_bubble_ideal: float = 0.0  # (p - 1) / (v m + p - 1)
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: its ranks, the op builders on them, its model chunks and parameters."""
+
+    world: WorldLayout
+    b: OpBuilder
+    model: ScheduleModel
+    dense: DenseModel
+    chunks: Tuple[range, ...]  # virtual chunk -> its global layer indices
+    params: StageParams
+
+
+@dataclass
+class ChunkOps:
+    """One micro-batch through one model chunk: forward sublayers (label, ops, is MoE), their
+    backward (forward order), the embedding (first chunk) and output layer (last chunk) forward /
+    backward, and the transfers issued at marks (handle, label, ops)."""
+
+    sublayers: List[Tuple[str, List[Op], bool]] = field(default_factory=list)
+    backward: List[Tuple[str, List[Op]]] = field(default_factory=list)
+    embedding: Tuple[List[Op], List[Op]] = ([], [])
+    head: Tuple[List[Op], List[Op]] = ([], [])
+    registered: List[Tuple[str, str, List[Op]]] = field(default_factory=list)
+
+    def ops(self) -> List[Op]:
+        """Every op once (Lancet's partitioned forward only retimes the sublayers)."""
+        out = self.embedding[0] + self.embedding[1] + self.head[0] + self.head[1]
+        out += [op for _, ops, _ in self.sublayers for op in ops] + [op for _, ops in self.backward for op in ops]
+        return out + [op for _, _, ops in self.registered for op in ops]
 
 
 class Simulation:
@@ -108,10 +153,10 @@ class Simulation:
         cfg = replace(cfg, parallel=replace(cfg.parallel, ranks_per_node=node_size or cfg.parallel.ranks_per_node))
         validate_config(replace(cfg, perf=replace(cfg.perf, hardware_profile=None)), world_size)  # the layout first
         p = cfg.parallel
-        layout = RankLayout(world_size, p.tensor, p.pipeline, p.expert, p.expert_shard, p.ranks_per_node)
-        self.world = WorldLayout(layout)
-        self.cluster = Cluster(profile, self.world)
-        flat = decision_profile(self.cluster)
+        self.layout = layout = RankLayout(world_size, p.tensor, p.pipeline, p.expert, p.expert_shard, p.ranks_per_node)
+        worlds = [WorldLayout(layout, s) for s in range(p.pipeline)]
+        clusters = [Cluster(profile, world) for world in worlds]
+        flat = decision_profile(clusters[0])
         os.makedirs(workdir, exist_ok=True)
         path = os.path.join(workdir, "decision_profile.yaml")
         save_profile(flat, path)
@@ -125,12 +170,22 @@ class Simulation:
         shape = ExpertShape(m.hidden_size, expert_ffn_hidden_size(cfg) // layout.expert_shard, m.activation == "swiglu")
         self.params_per_expert = shape.params(m.bias, layout.expert_shard)
         self.param_tensors = 4 if m.bias else 2
-        self.b = OpBuilder(self.world, self.cluster)
         self.shape = LayerShape(self.tokens, m.hidden_size, moe.top_k, moe.num_experts, shape.flops_per_row, moe.saa,
                                 moe.smart_schedule, moe.smart_group_size)
-        self.model = SCHEDULE_MODELS.get(moe.schedule)(self.b, self.shape, flat)
-        self.dense = DenseModel(cfg, self.b, self.tokens)
+        self.stages = []
+        for s, (world, cluster) in enumerate(zip(worlds, clusters)):
+            b = OpBuilder(world, cluster)
+            self.stages.append(Stage(world, b, SCHEDULE_MODELS.get(moe.schedule)(b, self.shape, flat),
+                                     DenseModel(cfg, b, self.tokens), StageChunks.of(cfg, s).layers,
+                                     StageParams.of(cfg, layout, s)))
+        self.pipeline = Pipeline(cfg, layout, clusters[0], self.micro_batches)
         self.moe_layers = moe_layer_indices(cfg)
+        moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.stage_of = {moe_at[layer]: s for s, stage in enumerate(self.stages) for chunk in stage.chunks
+                         for layer in chunk if layer in moe_at}  # MoE layer index -> stage
+        # MoE layers that start their chunk: no block before them prefetches their Trans (moe/cross_layer.py)
+        self.first_in_chunk = {min(moe_at[layer] for layer in chunk if layer in moe_at) for stage in self.stages
+                               for chunk in stage.chunks if any(layer in moe_at for layer in chunk)}
         groups = layout.expert_data_parallel
         state = ParallelState.build(layout, 0)
         self.planners = [[BALANCERS.get(moe.balancer)(cfg, state) for _ in range(groups)] for _ in self.moe_layers]
@@ -140,7 +195,7 @@ class Simulation:
                 for balancer in layer:
                     balancer.attach(SimpleNamespace(slot_table=table))
                 layer[1:] = [layer[0]] * (groups - 1)
-        self.iterations_done = 0
+        self.traffic: Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]] = ({}, {})
 
     @property
     def vexperts(self) -> bool:
@@ -150,24 +205,31 @@ class Simulation:
     def plan_layer(self, index: int, counts: np.ndarray, pieces: Optional[np.ndarray] = None, observe: bool = True):
         """Counts [dp, E] of one micro-batch (before drops) of MoE layer `index` -> (Planned, ops,
         Trans ops, Agg ops, whether the block before prefetched Trans)."""
-        lay = self.world.layout
+        stage = self.stages[self.stage_of[index]]
         kept = keep_capacity(counts, self.capacity)
-        pieces = keep_pieces(split_even(counts, lay.tensor) if pieces is None else pieces, self.capacity)
+        pieces = keep_pieces(split_even(counts, self.layout.tensor) if pieces is None else pieces, self.capacity)
         planners = self.planners[index]
         first = planners[0]
-        prefetched = index > 0 and first.prefetches_trans and first.upcoming_replicas() is not None
+        prefetched = index not in self.first_in_chunk and first.prefetches_trans and \
+            first.upcoming_replicas() is not None
         start = time.perf_counter()
-        planned = self.model.plan(planners, kept, pieces)
+        planned = stage.model.plan(planners, kept, pieces)
         if observe:
             for planner, placement in zip(planners, planned.placements):  # (vExperts: one shared instance)
                 planner.observe(torch.from_numpy(placement.counts), planned.sources)
         plan_seconds = time.perf_counter() - start
         tag = str(index)
-        ops = self.model.layer(planned, tag)
+        ops = stage.model.layer(planned, tag)
         args = (self.params_per_expert, self.param_tensors)
-        trans = replica_ops(self.b, planned.placements, *args, f"trans{tag}", backward=False)
-        agg = replica_ops(self.b, planned.placements, *args, f"agg{tag}", backward=True)
+        trans = replica_ops(stage.b, planned.placements, *args, f"trans{tag}", backward=False)
+        agg = replica_ops(stage.b, planned.placements, *args, f"agg{tag}", backward=True)
         return planned, ops, trans, agg, prefetched, plan_seconds
+
+    def _vexpert_grad(self, index: int) -> List[Op]:
+        if not self.vexperts:
+            return []
+        return vexpert_grad_op(self.stages[self.stage_of[index]].b, self.planners[index][0].table.slots,
+                               self.cfg.moe.num_experts, self.params_per_expert)
 
     def layer_ops(self, counts: np.ndarray, pieces: Optional[np.ndarray] = None, index: int = 0,
                   observe: bool = True) -> list:
@@ -175,69 +237,76 @@ class Simulation:
         pieces [dp, tp, E] if known), Trans / Agg and the vExperts' gradient sum included: what
         `benchmarks/moe_layer.py` counts for one step (`ops.traffic_of` gives the bytes)."""
         planned, ops, trans, agg, _, _ = self.plan_layer(index, counts, pieces, observe)
-        out = ops.forward + ops.backward + trans + agg
-        if self.vexperts:
-            out += vexpert_grad_op(self.b, self.planners[index][0].table.slots, self.cfg.moe.num_experts,
-                                   self.params_per_expert)
-        return out
+        return ops.forward + ops.backward + trans + agg + self._vexpert_grad(index)
 
     def layer_seconds(self, counts: np.ndarray, pieces: Optional[np.ndarray] = None, index: int = 0) -> float:
         """Predicted forward + backward seconds of MoE layer `index` alone on counts [dp, E] (the
         slowest rank; no dense part, no gradient all-reduce): what `benchmarks/moe_layer.py` times."""
         planned, ops, trans, agg, _, _ = self.plan_layer(index, counts, pieces)
-        timeline = Timeline(self.world, self.cfg.moe.lancet.defer_wgrad)
+        timeline = Timeline(self.stages[self.stage_of[index]].world, self.cfg.moe.lancet.defer_wgrad)
         timeline.register(f"trans_issue{index}", "moe", trans)
         timeline.register(f"agg{index}", "moe", agg)
         timeline.run(ops.forward, "moe")
         timeline.run(ops.backward, "moe", backward=True)
         timeline.end_backward()
-        if self.vexperts:
-            timeline.run(vexpert_grad_op(self.b, self.planners[index][0].table.slots, self.cfg.moe.num_experts,
-                                         self.params_per_expert), "moe")
+        timeline.run(self._vexpert_grad(index), "moe")
         return float(timeline.clock.max())
 
-    # -- iterations ---------------------------------------------------------------------------------
-    def micro_batch(self, counts: np.ndarray, timeline: Timeline, acc: dict) -> None:
-        """counts [L, dp, E] of one micro-batch through forward and backward (ops on `timeline`)."""
-        cfg, dense = self.cfg, self.dense
-        moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}
-        sublayers, backward = [], []
-        for layer in range(cfg.model.num_layers):
+    # -- model chunks -------------------------------------------------------------------------------
+    def chunk_ops(self, s: int, chunk: int, counts: np.ndarray, acc: dict) -> ChunkOps:
+        """counts [L, dp, E] of one micro-batch through virtual chunk `chunk` of stage `s`: plans its
+        MoE layers (in order) and builds every op; its bytes go to `acc`."""
+        stage, moe_at, out = self.stages[s], {layer: i for i, layer in enumerate(self.moe_layers)}, ChunkOps()
+        dense = stage.dense
+        if s == 0 and chunk == 0:
+            out.embedding = dense.embedding()
+        for layer in stage.chunks[chunk]:
             attention = dense.attention()
-            sublayers.append((f"dense{layer}", attention[0], False))
-            backward.append((f"dense{layer}", attention[1]))
+            out.sublayers.append((f"dense{layer}", attention[0], False))
+            out.backward.append((f"dense{layer}", attention[1]))
             if layer not in moe_at:
                 ffn = dense.dense_ffn()
-                sublayers.append((f"dense{layer}", ffn[0], False))
-                backward.append((f"dense{layer}", ffn[1]))
+                out.sublayers.append((f"dense{layer}", ffn[0], False))
+                out.backward.append((f"dense{layer}", ffn[1]))
                 continue
             i = moe_at[layer]
             planned, ops, trans, agg, prefetched, plan_s = self.plan_layer(i, counts[i])
             gate = dense.gate()
             label = f"moe{i}"
-            sublayers.append((label, gate[0] + ops.forward, True))
-            backward.append((label, ops.backward + gate[1]))
-            issue_at = f"before_experts{i - 1}" if prefetched else f"trans_issue{i}"
-            timeline.register(issue_at, label, trans)
-            timeline.register(f"agg{i}", label, agg)
+            out.sublayers.append((label, gate[0] + ops.forward, True))
+            out.backward.append((label, ops.backward + gate[1]))
+            out.registered += [(f"before_experts{i - 1}" if prefetched else f"trans_issue{i}", label, trans),
+                               (f"agg{i}", label, agg)]
             self._account(acc, i, planned, plan_s)
-            for key, value in traffic_of(ops.forward + ops.backward + trans + agg).items():
-                acc["bytes"][key] = acc["bytes"].get(key, 0.0) + float(value.sum())
-        lancet = cfg.moe.lancet
+        if s == self.layout.pipeline - 1 and chunk == len(stage.chunks) - 1:
+            out.head = dense.head()
+        self._count(acc, s, out.ops())
+        return out
+
+    def forward(self, timeline: Timeline, s: int, ops: ChunkOps) -> None:
+        for handle, label, issued in ops.registered:
+            timeline.register(handle, label, issued)
+        timeline.run(ops.embedding[0], "embedding")
+        lancet = self.cfg.moe.lancet
         if lancet.partitions > 1:
-            segments = lancet_segments(sublayers, min(lancet.partitions, cfg.training.micro_batch_size),
-                                       lancet.partition_range, self.world)
-            forward = lancet_forward(sublayers, segments, self.world)
+            world = self.stages[s].world
+            segments = lancet_segments(ops.sublayers, min(lancet.partitions, self.cfg.training.micro_batch_size),
+                                       lancet.partition_range, world)
+            forward = lancet_forward(ops.sublayers, segments, world)
         else:
-            forward = [(label, ops) for label, ops, _ in sublayers]
-        for label, ops in forward:
-            timeline.run(ops, label)
-        head = dense.head()
-        timeline.run(head[0] + head[1], "head", backward=True)
-        for label, ops in reversed(backward):
-            timeline.run(ops, label, backward=True)
+            forward = [(label, sub) for label, sub, _ in ops.sublayers]
+        for label, sub in forward:
+            timeline.run(sub, label)
+        timeline.run(ops.head[0], "head")
+
+    def backward(self, timeline: Timeline, ops: ChunkOps) -> None:
+        timeline.run(ops.head[1], "head", backward=True)
+        for label, sub in reversed(ops.backward):
+            timeline.run(sub, label, backward=True)
+        timeline.run(ops.embedding[1], "embedding", backward=True)
         timeline.end_backward()
 
+    # -- iterations ---------------------------------------------------------------------------------
     def _account(self, acc: dict, i: int, planned, plan_s: float) -> None:
         layer = acc["layers"][i]
         for g, placement in enumerate(planned.placements):
@@ -248,47 +317,91 @@ class Simulation:
             layer["schedules"][choice] = layer["schedules"].get(choice, 0) + 1
         layer["plan_s"] += plan_s
 
+    def _count(self, acc: dict, s: int, ops: List[Op], extra: Tuple[Traffic, ...] = ()) -> None:
+        """Add the bytes of `ops` (and `extra`) on stage `s` to `acc`'s per-rank counters [world]."""
+        size = self.layout.stage_size
+        for t in [t for op in ops for t in op.traffic] + list(extra):
+            for counter, values in ((acc["traffic"], t.counted), (acc["inter"], t.inter)):
+                if values is not None:
+                    counter.setdefault(t.key, np.zeros(self.layout.world_size))[s * size:(s + 1) * size] += values
+
+    def _micro_batches(self, micro: np.ndarray, acc: dict, breakdowns: List[dict]):
+        """Every micro-batch through every stage -> (when each stage's program ends, its compute
+        seconds, the bubble). One stage: forward and backward of a micro-batch on one timeline."""
+        defer = self.cfg.moe.lancet.defer_wgrad
+        if len(self.stages) == 1:
+            seconds = 0.0
+            for m in range(self.micro_batches):
+                timeline = Timeline(self.stages[0].world, defer)
+                ops = self.chunk_ops(0, 0, micro[:, :, m], acc)
+                self.forward(timeline, 0, ops)
+                self.backward(timeline, ops)
+                seconds += self._collect(timeline, breakdowns[0])
+            return [seconds], [seconds], 0.0
+        step = {}
+        for m in range(self.micro_batches):
+            for s, chunk in self.pipeline.chunks():
+                ops = self.chunk_ops(s, chunk, micro[:, :, m], acc)
+                for backward in (False, True):
+                    timeline = Timeline(self.stages[s].world, defer)
+                    if backward:
+                        for handle, label, issued in ops.registered:
+                            timeline.register(handle, label, issued)
+                        self.backward(timeline, ops)
+                    else:
+                        self.forward(timeline, s, ops)
+                    step[(s, backward, chunk, m)] = self._collect(timeline, breakdowns[s])
+        for s in range(len(self.stages)):
+            self._count(acc, s, [], (self.pipeline.traffic(s),))
+        result = self.pipeline.run(step)
+        return result.finish, result.busy, result.mean_bubble
+
     def iteration(self, iteration: int, counts: np.ndarray, micro: Optional[np.ndarray] = None) -> IterationResult:
         """counts [L, dp, E] of one iteration (before drops), micro [L, dp, M, E] if known."""
-        L, lay = len(self.moe_layers), self.world.layout
+        L, lay = len(self.moe_layers), self.layout
         if counts.shape[0] != L or counts.shape[1] != lay.data_parallel:
             raise ValueError(f"iteration {iteration}: counts {counts.shape} do not match {L} MoE layers x "
                              f"{lay.data_parallel} data-parallel sources x E")
         micro = split_even(counts, self.micro_batches) if micro is None else micro  # [L, dp, M, E]
-        acc = {"bytes": {}, "layers": [{"rows": np.zeros((lay.expert_data_parallel, lay.expert)), "replicas": 0.0,
-                                        "forwards": 0,
-                                        "schedules": {}, "plan_s": 0.0} for _ in range(L)]}
-        seconds, breakdown = 0.0, {}
-        for m in range(self.micro_batches):
-            timeline = Timeline(self.world, self.cfg.moe.lancet.defer_wgrad)
-            self.micro_batch(micro[:, :, m], timeline, acc)
-            seconds += self._collect(timeline, breakdown)
-        timeline = Timeline(self.world)
-        end_ops = self.dense.grad_sync(L, self._expert_params_per_rank())
-        for i in range(L):
-            if self.vexperts:
-                end_ops += vexpert_grad_op(self.b, self.planners[i][0].table.slots, self.cfg.moe.num_experts,
-                                           self.params_per_expert)
+        acc = {"traffic": {}, "inter": {}, "layers": [
+            {"rows": np.zeros((lay.expert_data_parallel, lay.expert)), "replicas": 0.0, "forwards": 0,
+             "schedules": {}, "plan_s": 0.0} for _ in range(L)]}
+        breakdowns = [{} for _ in self.stages]
+        finish, busy, bubble = self._micro_batches(micro, acc, breakdowns)
+        # the end of the iteration, each stage from when its program ends
+        items = [[op for i in range(L) if self.stage_of[i] == s for op in self._vexpert_grad(i)] +
+                 end_ops(stage.b, stage.params, first_half=True) for s, stage in enumerate(self.stages)]
         step_ops, moves = self.after_step(iteration)
-        end_ops += step_ops
-        timeline.run(end_ops, "iteration")
-        seconds += self._collect(timeline, breakdown)
-        for op in end_ops:
-            for key, value in traffic_of([op]).items():
-                acc["bytes"][key] = acc["bytes"].get(key, 0.0) + float(value.sum())
+        items = [items[s] + end_ops(stage.b, stage.params, first_half=False) + step_ops[s]
+                 for s, stage in enumerate(self.stages)]
+        timelines = [Timeline(stage.world, start=finish[s]) for s, stage in enumerate(self.stages)]
+        self.pipeline.run_stages(timelines, items, "iteration")
+        for s in range(len(self.stages)):
+            self._count(acc, s, items[s])
+        critical = int(np.argmax([t.clock.max() for t in timelines]))
+        breakdown = {key: list(value) for key, value in breakdowns[critical].items()}
+        if len(self.stages) > 1:
+            idle = finish[critical] - busy[critical]
+            breakdown["pipeline/idle"] = [idle, idle, IDLE]
+        seconds = float(timelines[critical].clock.max())
+        self._collect(timelines[critical], breakdown)
         layers = []
         for i, layer in enumerate(acc["layers"]):
-            parts = {key.split("/", 1)[1]: v for key, v in breakdown.items() if key.startswith(f"moe{i}/")}
+            parts = {key.split("/", 1)[1]: v for key, v in breakdowns[self.stage_of[i]].items()
+                     if key.startswith(f"moe{i}/")}
             layers.append(LayerResult(sum(v[0] for v in parts.values()), parts, layer["rows"],
                                       layer["replicas"] / max(layer["forwards"], 1), layer["schedules"],
                                       layer["plan_s"]))
         by_kind: Dict[str, float] = {}
-        for key, value in acc["bytes"].items():
-            by_kind[key.split("/")[0]] = by_kind.get(key.split("/")[0], 0.0) + value
-        self.iterations_done += 1
-        return IterationResult(iteration, seconds, breakdown, layers, by_kind, moves)
+        for key, value in acc["traffic"].items():
+            by_kind[key.split("/")[0]] = by_kind.get(key.split("/")[0], 0.0) + float(value.sum())
+        self.traffic = (acc["traffic"], acc["inter"])
+        par = self.cfg.parallel
+        return IterationResult(iteration, seconds, breakdown, layers, by_kind, moves, bubble,
+                               expected_bubble(par.pipeline, self.micro_batches, par.virtual_stages))
 
     def _collect(self, timeline: Timeline, breakdown: dict) -> float:
+        """Add the critical rank's breakdown to `breakdown`; return its clock."""
         rank = timeline.critical_rank()
         for (label, name), (exposed, duration) in timeline.breakdown(rank).items():
             entry = breakdown.setdefault(f"{label}/{name}", [0.0, 0.0, float(timeline.comm.get((label, name), True))])
@@ -296,32 +409,28 @@ class Simulation:
             entry[1] += duration
         return float(timeline.clock[rank])
 
-    def _expert_params_per_rank(self) -> float:
-        slots = self.planners[0][0].slots_per_rank or self.cfg.moe.num_experts // self.world.layout.expert
-        return float(slots * self.params_per_expert * len(self.moe_layers))
-
-    def after_step(self, iteration: int, optimizer_state: bool = True):
+    def after_step(self, iteration: int, optimizer_state: bool = True) -> Tuple[List[List[Op]], int]:
         """`SlotBalancer.after_optimizer_step` of every layer without the collectives: every
         `interval` iterations, decide on the window (summed over the groups' forwards, / edp =
         their mean, the all-reduce "vexpert_plan/edp") and move (weights, and with
-        `optimizer_state` both AdamW moments) -> (ops, primitives executed)."""
-        ops, moves = [], 0
-        lay = self.world.layout
+        `optimizer_state` both AdamW moments) -> (ops per pipeline stage, primitives executed)."""
+        ops, moves = [[] for _ in self.stages], 0
+        lay = self.layout
         width = (3 if optimizer_state else 1) * self.params_per_expert
-        for layer in self.planners:
-            balancer = layer[0]
+        for i, layer in enumerate(self.planners):
+            balancer, b = layer[0], self.stages[self.stage_of[i]].b
             if balancer.slots_per_rank is None:
                 continue
             balancer.window_iterations += 1
             balancer.last_moves = 0
             if iteration % balancer.interval:
                 continue
-            ops.append(self.b.collective("vexpert_plan", "vexpert_plan", "edp", lay.expert * self.cfg.moe.num_experts,
-                                         8, "all_reduce"))
+            ops[self.stage_of[i]].append(b.collective("vexpert_plan", "vexpert_plan", "edp",
+                                                      lay.expert * self.cfg.moe.num_experts, 8, "all_reduce"))
             old = balancer.table.slots.copy()
             new = balancer.decide(balancer.window / lay.expert_data_parallel)
             if new is not None:
-                ops += vexpert_move_op(self.b, old, new, width)
+                ops[self.stage_of[i]] += vexpert_move_op(b, old, new, width)
                 balancer.table.slots = balancer.table.checked(new)
             moves += balancer.last_moves
         return ops, moves
@@ -329,7 +438,7 @@ class Simulation:
     def trace(self, spec: str, iterations: int, seed: int = 0):
         """The routing to replay: a `logging.routing_trace` directory, or a synthetic spec
         (uniform | zipf:S | drift:S:D, `sim/traces.py`), for this model and layout."""
-        lay, cfg = self.world.layout, self.cfg
+        lay, cfg = self.layout, self.cfg
         rows = self.micro_batches * self.tokens * cfg.moe.top_k  # per data-parallel source and iteration
         if os.path.isdir(spec):
             return RecordedTrace(spec, lay.data_parallel, rows, cfg.moe.num_experts, last=None)
@@ -344,7 +453,6 @@ class Simulation:
             if progress is not None:
                 progress(results[-1])
         return results
-
 
 
 def simulate(config: Optional[str], overrides: List[str], profile: HardwareProfile, world_size: int, trace: str,

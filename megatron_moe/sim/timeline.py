@@ -33,9 +33,9 @@ Key = Tuple[str, str]  # (label, op name): label = "moe<l>" | "dense<l>" | "head
 
 
 class Timeline:
-    def __init__(self, world: WorldLayout, defer_wgrad: bool = False):
+    def __init__(self, world: WorldLayout, defer_wgrad: bool = False, start=0.0):
         self.world, self.defer_wgrad = world, defer_wgrad
-        self.clock = np.zeros(world.size)
+        self.clock = np.zeros(world.size) + start  # [S] seconds (`start`: a scalar or per rank)
         self.side: Dict[str, np.ndarray] = {}
         self.side_label: Dict[str, Key] = {}
         self.pool = np.zeros(world.size)  # deferred weight-gradient seconds not yet run
@@ -100,6 +100,13 @@ class Timeline:
     def _mark(self, op: Op, label: str, backward: bool) -> None:
         for issued_label, issued in self.registered.pop(op.handle, []):
             self._issue(issued, issued_label)
+
+    def join(self, label: str, name: str, start: np.ndarray, seconds: np.ndarray) -> None:
+        """A collective with ranks of other timelines (other pipeline stages, `sim/pipeline.py`):
+        it starts at `start` [S], when every member is ready, and lasts `seconds` [S]."""
+        key = (label, name)
+        self.duration[key] += seconds
+        self._advance(key, np.maximum(start, self.clock) + seconds, comm=1.0)
 
     def end_backward(self) -> None:
         """The end of a backward pass: the deferred weight gradients left run, then every transfer

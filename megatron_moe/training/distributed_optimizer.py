@@ -94,12 +94,18 @@ class _FlatGroup:
     lo: int = 0
     hi: int = 0
 
+    @property
+    def padded_numel(self) -> int:
+        """N: the parameters' elements, padded to a multiple of the group size."""
+        total = sum(p.numel() for p in self.params)
+        return -(-total // self.group.size) * self.group.size
+
     def build(self) -> None:
         self.starts = [0]
         for p in self.params:
             self.starts.append(self.starts[-1] + p.numel())
         total = self.starts.pop()
-        size = -(-total // self.group.size) * self.group.size
+        size = self.padded_numel
         p0 = self.params[0]
         # filled parameter by parameter, each old tensor freed as it goes (no second copy of them all)
         self.flat = torch.empty(size, dtype=p0.dtype, device=p0.device)
@@ -122,6 +128,23 @@ class _FlatGroup:
                 yield i, a - start, b - start
 
 
+def flat_groups(named: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState) -> List[_FlatGroup]:
+    """The flat buffers (not built) of these parameters: one per replica group, weight decay, dtype,
+    device and norm key, in first-parameter order (the cluster simulator sizes its collectives by them)."""
+    buckets: Dict[tuple, _FlatGroup] = {}
+    for name, p in named:
+        assert not hasattr(p, "vexpert_slots"), "optimizer.distributed with vExperts: validate the config first"
+        replica = state.groups[REPLICA_GROUP[p.meta.kind]]
+        norm_key = tuple(sorted({g for g in p.meta.sharded_groups() + [replica.name] if state.groups[g].size > 1}))
+        decay = p.meta.role in DECAYED_ROLES
+        key = (replica.name, decay, p.dtype, str(p.device), norm_key)
+        if key not in buckets:
+            buckets[key] = _FlatGroup([], [], replica, norm_key, decay)
+        buckets[key].names.append(name)
+        buckets[key].params.append(p)
+    return list(buckets.values())
+
+
 class DistributedOptimizer:
     """AdamW over this rank's shards (module docstring). The trainer calls `sync()`, `clip()`,
     `step()` where it calls GradSync's and the optimizer's; `param_groups` carry the lr."""
@@ -130,19 +153,7 @@ class DistributedOptimizer:
         self.state = state
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.grad_sync = GradSync(named, state, replicas=False)
-        buckets: Dict[tuple, _FlatGroup] = {}
-        for name, p in named:
-            assert not hasattr(p, "vexpert_slots"), "optimizer.distributed with vExperts: validate the config first"
-            replica = state.groups[REPLICA_GROUP[p.meta.kind]]
-            norm_key = tuple(sorted({g for g in p.meta.sharded_groups() + [replica.name]
-                                     if state.groups[g].size > 1}))
-            decay = p.meta.role in DECAYED_ROLES
-            key = (replica.name, decay, p.dtype, str(p.device), norm_key)
-            if key not in buckets:
-                buckets[key] = _FlatGroup([], [], replica, norm_key, decay)
-            buckets[key].names.append(name)
-            buckets[key].params.append(p)
-        self.flats = list(buckets.values())
+        self.flats = flat_groups(named, state)
         for flat in self.flats:
             flat.build()
         shards = [f.shard for f in self.flats]

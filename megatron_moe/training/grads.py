@@ -60,6 +60,13 @@ def counts_in_norm(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "pipeline_duplicate", False)
 
 
+def norm_reductions(keys: Sequence[Tuple[str, ...]]) -> List[Tuple[str, List[int]]]:
+    """The all-reduces `reduce_squared_norms` runs before its ``pp`` sum, in order: (group, the rows
+    of the sorted keys it sums), one fp32 element per row."""
+    keys = sorted(keys)
+    return [(name, [i for i, k in enumerate(keys) if name in k]) for name in sorted({g for k in keys for g in k})]
+
+
 def reduce_squared_norms(squared: Dict[Tuple[str, ...], torch.Tensor], state: ParallelState,
                          device: torch.device) -> float:
     """sqrt of the global sum of squares: `squared[key]` is this rank's sum over parameter pieces
@@ -70,8 +77,7 @@ def reduce_squared_norms(squared: Dict[Tuple[str, ...], torch.Tensor], state: Pa
         total = torch.zeros((), device=device)
     else:
         sq = torch.stack([squared[k] for k in keys])  # [num keys]
-        for name in sorted({g for k in keys for g in k}):
-            rows = [i for i, k in enumerate(keys) if name in k]
+        for name, rows in norm_reductions(keys):
             part = sq[rows].clone()
             collectives.all_reduce(part, state.groups[name])
             sq[rows] = part

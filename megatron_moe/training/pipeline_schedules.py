@@ -15,9 +15,9 @@ sends and receives, posted together as `batch_isend_irecv`). Model chunk k = vir
   of p micro-batches; bubble (p - 1) / (v m + p - 1): v times smaller for v times the messages.
   Needs m divisible by p (Megatron's rule).
 
-Programs are pure data: `simulate` runs every stage's program against the others' with unit
-compute times, checks that every message is sent after it is computed, received by the step that
-expects exactly that (chunk, micro-batch) in the same order on both sides (NCCL matches point-to-point
+Programs are pure data: `simulate` runs every stage's program against the others' (unit compute
+times, or any per-step times and message costs: the cluster simulator's, sim/pipeline.py), checks
+that every message is sent after it is computed, received by the step that expects exactly that (chunk, micro-batch) in the same order on both sides (NCCL matches point-to-point
 messages by order, not by tag) and that a stage's exchange batches, completed in order as on one
 NCCL stream, never deadlock; and returns each stage's idle fraction (the bubble).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron_moe.registry import Registry
 
@@ -205,6 +205,7 @@ class Simulation:
     makespan: float
     busy: List[float]  # compute time per stage
     bubble: List[float]  # 1 - busy / makespan per stage
+    finish: List[float]  # when each stage's program ends (its last compute or message)
 
     @property
     def mean_bubble(self) -> float:
@@ -221,12 +222,20 @@ class _Batch:
 
 
 def simulate(progs: List[List[Step]], virtual: int, forward_time: Union[float, Sequence[float]] = 1.0,
-             backward_time: Union[float, Sequence[float]] = 2.0) -> Simulation:
+             backward_time: Union[float, Sequence[float]] = 2.0,
+             step_time: Optional[Callable[[int, Compute], float]] = None,
+             message_time: Optional[Callable[[int, int], float]] = None) -> Simulation:
     """Run the stages' programs together (module docstring); raise AssertionError on a message that
     does not match, data used before it exists, or a deadlock. A time is one chunk's forward /
-    backward of one micro-batch, the same on every stage or one per stage; messages take no time."""
+    backward of one micro-batch, the same on every stage or one per stage, or `step_time(stage,
+    step)` per compute step. Messages take no time, or `message_time(sender, receiver)` seconds
+    from when both sides have posted them; a stage's exchange batches complete in order."""
     p = len(progs)
-    times = {False: _per_stage(forward_time, p), True: _per_stage(backward_time, p)}
+    if step_time is None:
+        times = {False: _per_stage(forward_time, p), True: _per_stage(backward_time, p)}
+
+        def step_time(s: int, step: Compute) -> float:
+            return times[step.backward][s]
     channels: Dict[tuple, Tuple[deque, deque]] = defaultdict(lambda: (deque(), deque()))  # sends, recvs
     pc, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     batches: List[List[_Batch]] = [[] for _ in range(p)]
@@ -242,9 +251,10 @@ def simulate(progs: List[List[Step]], virtual: int, forward_time: Union[float, S
         while sends and recvs:
             (s_time, s_id, s_batch), (r_time, r_id, r_batch) = sends.popleft(), recvs.popleft()
             assert s_id == r_id, f"channel {key}: sent {s_id} but the receiver expects {r_id}"
+            arrived = max(s_time, r_time) + (message_time(key[0], key[1]) if message_time else 0.0)
             for batch in (s_batch, r_batch):
                 batch.open -= 1
-                batch.matched_at = max(batch.matched_at, s_time, r_time)
+                batch.matched_at = max(batch.matched_at, arrived)
 
     def post(s, step: Exchange):
         batch = _Batch(clock[s])
@@ -303,7 +313,7 @@ def simulate(progs: List[List[Step]], virtual: int, forward_time: Union[float, S
                     at = data_time(s, step)
                     if at is None:
                         break
-                    seconds = times[step.backward][s]
+                    seconds = step_time(s, step)
                     clock[s] = max(clock[s], at) + seconds
                     busy[s] += seconds
                     done[s].add(("B" if step.backward else "F", step.chunk, step.micro_batch))
@@ -314,5 +324,6 @@ def simulate(progs: List[List[Step]], virtual: int, forward_time: Union[float, S
     for s in range(p):
         settle(s)
         assert all(b.done_at is not None for b in batches[s]), f"stage {s}: a message was never matched"
-    makespan = max(max(clock), max((b.done_at for bs in batches for b in bs), default=0.0))
-    return Simulation(makespan, busy, [1.0 - b / makespan for b in busy])
+    finish = [max([clock[s]] + [b.done_at for b in batches[s]]) for s in range(p)]
+    makespan = max(finish)
+    return Simulation(makespan, busy, [1.0 - b / makespan if makespan else 0.0 for b in busy], finish)

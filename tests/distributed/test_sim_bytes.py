@@ -8,23 +8,37 @@ layout, must predict every rank's every counter exactly: token traffic, metadata
 the balancers' replicas (FasterMoE, Pro-Prophet: their own plans), SAA's phased exchange, the
 smart schedule's pairwise steps, and for the vExpert balancers (EPLB, FlexMoE) the replica
 gradient sum, the decision's window all-reduce and the moves between two steps.
+
+Whole iterations: the Trainer (GPT, 4 processes, a node per 2 ranks) on pipeline 2 x expert 2 (1F1B
+on an uneven split with dense layers; 1F1B with `optimizer.distributed`; interleaved 1F1B over 2
+virtual stages on an uneven split with S2 + FasterMoE and `optimizer.distributed`) and on one
+stage with tensor 2 x expert 2 records its routing trace; every rank's every counter of each
+iteration (`train_step`: the activations between the stages, kind "pipeline", and the part to the
+other node, the MoE layers, the tensor-parallel sums, the gradient sync over dp / edp / embedding or
+its reduce-scatter and all-gather, the grad norm's and the losses' sums) equals the simulator's
+on that trace (`Simulation.traffic`).
 """
+import os
 import tempfile
 
 import numpy as np
 import pytest
 import torch
 
+from megatron_moe.config import load_config
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.sim.ops import inter_node_traffic_of, traffic_of
 from megatron_moe.sim.runner import Simulation
-from tests.distributed.harness import per_world_spawner
+from megatron_moe.training.trainer import Trainer
+from tests.checkpoint_helpers import synthetic_datasets
+from tests.distributed.harness import per_world_spawner, run_distributed
 
 pytestmark = pytest.mark.distributed
 PROFILE = "configs/hardware/cpu_gloo_2proc.yaml"
@@ -103,7 +117,12 @@ def _per_rank(dicts, world):
 
 def _check(real, ops, what):
     """real: [rank] (bytes, inter-node bytes) counters; ops: the simulator's ops of the same step."""
-    for index, predicted in enumerate((traffic_of(ops), inter_node_traffic_of(ops))):
+    _compare(real, (traffic_of(ops), inter_node_traffic_of(ops)), what)
+
+
+def _compare(real, predictions, what):
+    """real: [rank] (bytes, inter-node bytes) counters; predictions: ({key: bytes [W]}, the same inter-node)."""
+    for index, predicted in enumerate(predictions):
         expected = _per_rank([r[index] for r in real], len(real))
         predicted = {k: np.round(v).astype(np.int64) for k, v in predicted.items() if np.round(v).any()}
         assert sorted(predicted) == sorted(expected), f"{what} ({'inter-node ' if index else ''}keys)"
@@ -129,7 +148,71 @@ def test_simulated_bytes_equal_the_real_counters(world, layout):
             what = f"{run} on {layout} counts {counts.tolist()}"
             _check(steps[0], sim.layer_ops(counts, pieces), what)
             if len(steps) > 1:
-                ops, moves = sim.after_step(1, optimizer_state=False)
+                (ops,), moves = sim.after_step(1, optimizer_state=False)  # one pipeline stage
                 assert moves == ranks[0]["moves"] and (moves > 0 or run[2] != "eplb"), what  # EPLB always moves here
                 _check(steps[1], ops, what + " moves")
                 _check(steps[2], sim.layer_ops(counts, pieces), what + " step 2")
+
+
+NODE = dict(ranks_per_node=2)  # a node per pipeline stage: the activations and pp / embedding sums cross nodes
+PIPELINE_COMMON = ["model.seq_length=8", "model.vocab_size=125", "training.micro_batch_size=1",
+                   "training.global_batch_size=8", "training.train_iters=2", "training.log_interval=1",
+                   "training.eval_iters=0", "logging.tensorboard=false", "logging.routing_trace=true",
+                   "moe.capacity_factor=1.0", "parallel.ranks_per_node=2", "perf.hardware_profile=" + PROFILE]
+PP2_EP2 = ["parallel.pipeline=2", "parallel.expert=2"]
+PIPELINE_RUNS = {  # name: (RankLayout kwargs, overrides on PIPELINE_COMMON)
+    "1f1b-uneven": (dict(pipeline=2, expert=2), PP2_EP2 + ["model.num_layers=4", "parallel.pipeline_layers=[1,3]",
+                                                         "moe.layer_freq=2"]),
+    "1f1b-distributed": (dict(pipeline=2, expert=2), PP2_EP2 + ["model.num_layers=4", "optimizer.distributed=true"]),
+    "interleaved-uneven-distributed": (dict(pipeline=2, expert=2), PP2_EP2 + [
+        "model.num_layers=5", "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
+        "parallel.pipeline_layers=[2,1,1,1]", "optimizer.distributed=true", "moe.schedule=s2",
+        "moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1"]),
+    "one-stage-tp2": (dict(tensor=2, expert=2), ["parallel.tensor=2", "parallel.expert=2", "model.num_layers=2"]),
+}
+
+
+def _pipeline_config(name: str, tmp: str):
+    return load_config("configs/gpt_moe_tiny.yaml", PIPELINE_COMMON + PIPELINE_RUNS[name][1] +
+                       [f"training.run_dir={os.path.join(tmp, name)}"])
+
+
+def _train_pipeline(state, tmp: str):
+    """Every run's per-iteration counters on this rank: {run: [(bytes, inter-node bytes)]}."""
+    out = {}
+    for name, (layout, _) in PIPELINE_RUNS.items():
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout, **NODE), state.rank)
+        trainer = Trainer(_pipeline_config(name, tmp), sub, GPTMoEModel, synthetic_datasets)
+        counters, step = [], trainer.train_step
+
+        def train_step(iteration, step=step, counters=counters):
+            record = step(iteration)  # resets the counters first; what runs after it is no iteration's
+            counters.append((C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)))
+            return record
+
+        trainer.train_step = train_step
+        trainer.train()
+        out[name] = counters
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    """(the runs' directory, [rank] {run: per-iteration counters}) from one spawn of 4 processes."""
+    tmp = str(tmp_path_factory.mktemp("sim_pipeline"))
+    return tmp, run_distributed(4, _train_pipeline, NODE, (tmp,), timeout=600)
+
+
+@pytest.mark.parametrize("name", list(PIPELINE_RUNS))
+def test_simulated_pipeline_bytes_equal_the_real_counters(pipeline_runs, name):
+    """Each iteration of a real pipeline run, replayed from its routing trace."""
+    tmp, ranks = pipeline_runs
+    with tempfile.TemporaryDirectory() as work:
+        sim = Simulation(_pipeline_config(name, tmp), load_profile(PROFILE), 4, work)
+        steps = list(sim.trace(os.path.join(tmp, name, "routing"), 0).steps())
+        assert [it for it, _, micro in steps if micro is not None] == [1, 2]  # per micro-batch counts, replayed
+        for i, (iteration, counts, micro) in enumerate(steps):
+            result = sim.iteration(iteration, counts, micro)
+            _compare([r[name][i] for r in ranks], sim.traffic, f"{name} iteration {iteration}")
+            pipelined = PIPELINE_RUNS[name][0].get("pipeline", 1) > 1
+            assert (0 < result.pipeline_bubble < 1 and result.pipeline_bubble_ideal > 0) == pipelined

@@ -227,7 +227,8 @@ def test_grouped_gemm_benchmark_compares_the_dw_kernels():
 
 def test_pipeline_benchmark_reports_the_bubble_next_to_its_formula():
     """benchmarks/pipeline.py (issue #14): 1F1B and interleaved rows on 2 stages, each with the
-    ideal bubble (p-1)/(vm+p-1), the measured and simulated ones, and the exact activation bytes."""
+    ideal bubble (p-1)/(vm+p-1), the measured and simulated ones, the cluster simulator's prediction
+    and the exact activation bytes."""
     shape = ["--override", "model.hidden_size=32", "--override", "model.ffn_hidden_size=64", "--override",
              "moe.expert_ffn_hidden_size=64", "--override", "model.seq_length=16", "--override", "model.num_layers=4"]
     proc = subprocess.run([sys.executable, "benchmarks/pipeline.py", "--micro-batches", "2", "--iters", "2",
@@ -242,3 +243,4 @@ def test_pipeline_benchmark_reports_the_bubble_next_to_its_formula():
     assert rows["interleaved"]["pipeline_bytes_rank0"] == 3 * 2 * activation  # two chunks' outputs + one's input grads
     for row in rows.values():
         assert 0.0 < row["bubble_measured"] < 1.0 and 0.0 < row["bubble_simulated"] < 1.0
+        assert 0.0 < row["bubble_predicted"] < 1.0

@@ -17,7 +17,7 @@ from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import load_profile, save_profile
 from megatron_moe.sim.cluster import Cluster, decision_profile
-from megatron_moe.sim.layout import WorldLayout
+from megatron_moe.sim.layout import STAGE_GROUPS, WorldLayout
 from megatron_moe.sim.moe_layer import Executed
 from megatron_moe.sim.ops import Op, OpBuilder
 from megatron_moe.sim.report import candidate_options
@@ -71,18 +71,74 @@ def test_flat_profiles_become_one_node_links_and_cluster_profiles_flat_ops(clust
 
 
 @pytest.mark.parametrize("kwargs", [dict(world_size=8, tensor=2, expert=2, expert_shard=2),
-                                    dict(world_size=8, tensor=4, expert=2), dict(world_size=16, expert=4, tensor=2)])
+                                    dict(world_size=8, tensor=4, expert=2), dict(world_size=16, expert=4, tensor=2),
+                                    dict(world_size=16, pipeline=2, tensor=2, expert=2),
+                                    dict(world_size=24, pipeline=3, expert=2, expert_shard=2)])
 def test_world_arrays_agree_with_rank_layout(kwargs):
-    lay = RankLayout(**kwargs, ranks_per_node=4)
-    world = WorldLayout(lay)
-    for name in GROUP_NAMES:
-        expected = lay.groups(name)
-        assert world.members(name).tolist() == expected, name
-        for rank in range(lay.world_size):
-            assert world.coord[name][rank] == lay.coords(rank)[name], name
-        values = np.arange(lay.world_size, dtype=float) * 7 % 5
-        assert world.group_max(name, values).tolist() == [max(values[g]) for r in range(lay.world_size)
-                                                          for g in expected if r in g]
+    """Each pipeline stage's arrays are RankLayout's groups inside that stage, its nodes the global
+    ranks' (ranks_per_node 4 or 3: with pipeline 3 the stages' node patterns differ); the groups
+    across stages (pp, embedding, world) have RankLayout's coordinates, sizes and node spans."""
+    per_node = 3 if kwargs.get("pipeline") == 3 else 4
+    lay = RankLayout(**kwargs, ranks_per_node=per_node)
+    for stage in range(lay.pipeline):
+        world = WorldLayout(lay, stage)
+        ranks = range(world.offset, world.offset + world.size)
+        assert world.node.tolist() == [r // per_node for r in ranks]
+        for name in GROUP_NAMES:
+            groups = [lay.group_of(name, r) for r in ranks]
+            assert world.coord[name].tolist() == [lay.coords(r)[name] for r in ranks], name
+            assert [world.group_size[name]] * world.size == [len(g) for g in groups], name
+            assert world.spans_nodes[name].tolist() == [len({m // per_node for m in g}) > 1 for g in groups], name
+            ids = world.group_id[name].tolist()
+            assert all((ids[i] == ids[j]) == (groups[i] == groups[j]) for i in range(world.size)
+                       for j in range(world.size)), name
+        for name in STAGE_GROUPS:
+            expected = [[r - world.offset for r in g] for g in lay.groups(name) if g[0] in ranks]
+            assert world.members(name).tolist() == expected, name
+            values = np.arange(world.size, dtype=float) * 7 % 5
+            assert world.group_max(name, values).tolist() == [max(values[g]) for r in range(world.size)
+                                                              for g in expected if r in g]
+
+
+FREE_MESSAGES = """name: free
+expert_compute: {alpha: 1.0e-4, beta: 1.0e-12}
+cluster:
+  node_size: 2
+  dense_compute: {alpha: 0.0, beta: 0.0}
+  links:
+    all_to_all: {intra: {alpha: 1.0e-4, beta: 1.0e-8}, inter: {alpha: 2.0e-4, beta: 4.0e-8}}
+    all_gather: {intra: {alpha: 1.0e-4, beta: 1.0e-8}}
+    all_reduce: {intra: {alpha: 1.0e-4, beta: 2.0e-8}, inter: {alpha: 2.0e-4, beta: 4.0e-8}}
+    p2p: {intra: {alpha: %s, beta: 0.0}}
+"""
+
+
+@pytest.mark.parametrize("stages,schedule,virtual,micro", [(2, "1f1b", 1, 4), (4, "1f1b", 1, 8),
+                                                           (2, "interleaved", 2, 4), (4, "interleaved", 2, 4)])
+def test_equal_stages_with_free_messages_have_the_ideal_bubble(tmp_path, stages, schedule, virtual, micro):
+    """One MoE layer per model chunk, the same routing in every layer and micro-batch, dense compute
+    and messages free: every stage's steps take the same time, and the simulated bubble is
+    (p - 1) / (v m + p - 1). Messages that cost (p2p alpha 1 ms) only make it larger."""
+    results = []
+    for alpha in (0.0, 1e-3):
+        path = tmp_path / f"free{alpha}.yaml"
+        path.write_text(FREE_MESSAGES % alpha)
+        dp, E = 2, 4
+        cfg = load_config(None, [f"model.num_layers={stages * virtual}", "model.hidden_size=8", "model.seq_length=8",
+                                 "model.num_attention_heads=2", f"moe.num_experts={E}", "moe.expert_ffn_hidden_size=16",
+                                 "parallel.expert=2", f"parallel.pipeline={stages}",
+                                 f"parallel.pipeline_schedule={schedule}", f"parallel.virtual_stages={virtual}",
+                                 "training.micro_batch_size=1", f"training.global_batch_size={dp * micro}"])
+        sim = Simulation(cfg, load_profile(str(path)), dp * stages, str(tmp_path))
+        assert sim.micro_batches == micro
+        rows = micro * 8 * 2  # micro-batches x tokens x top-2
+        results.append(sim.iteration(1, np.full((stages * virtual, dp, E), rows // E)))
+    free, costly = results
+    ideal = (stages - 1) / (virtual * micro + stages - 1)
+    assert free.pipeline_bubble_ideal == pytest.approx(ideal)
+    assert free.pipeline_bubble == pytest.approx(ideal, rel=1e-9)
+    assert costly.pipeline_bubble > free.pipeline_bubble and costly.seconds > free.seconds
+    assert free.breakdown["pipeline/idle"][0] > 0 and free.bytes_by_kind["pipeline"] > 0
 
 
 def test_owner_only_fast_path_equals_the_placement():
@@ -201,9 +257,10 @@ def test_candidate_options_cover_every_technique():
 
 def test_simulate_cli_recommends_and_writes_plots(tmp_path):
     options = ["moe.schedule=baseline", "moe.schedule=s2,moe.balancer=fastermoe", "moe.schedule=s1,moe.saa=true",
-               "moe.balancer=proprophet moe.proprophet.overlap=true"]
+               "moe.balancer=proprophet moe.proprophet.overlap=true", "parallel.pipeline=2",
+               "parallel.pipeline=2 parallel.pipeline_schedule=interleaved parallel.virtual_stages=2"]
     proc = subprocess.run([sys.executable, "tools/simulate.py", "--config", "configs/gpt_moe_tiny.yaml",
-                           "parallel.expert=4", "parallel.tensor=2", "model.num_layers=1",
+                           "parallel.expert=4", "parallel.tensor=2", "model.num_layers=4",
                            "training.global_batch_size=16", "--hardware", "configs/hardware/parm_testbed_b.yaml",
                            "--gpus", "16", "--trace", "zipf:1.2", "--iterations", "2", "--recommend",
                            "--out", str(tmp_path)] + [arg for o in options for arg in ("--option", o)],
@@ -213,7 +270,11 @@ def test_simulate_cli_recommends_and_writes_plots(tmp_path):
     assert list(out["skipped"]) == ["moe.schedule=s1,moe.saa=true"]  # a config rule: SAA needs s2 or auto
     assert "moe.saa=true needs moe.schedule s2 or auto" in out["skipped"]["moe.schedule=s1,moe.saa=true"]
     times = [out["summary"][name]["iteration_ms"] for name in out["ranking"]]
-    assert times == sorted(times) and len(times) == 3
+    assert times == sorted(times) and len(times) == 5
+    # pipeline options are ranked with their bubble: m = 2 micro-batches per rank on 2 stages
+    bubbles = {name: out["summary"][name]["pipeline_bubble"] for name in out["ranking"]}
+    assert bubbles["moe.schedule=baseline"] == 0 and bubbles["parallel.pipeline=2"] > 1 / 3
+    assert bubbles["parallel.pipeline=2,parallel.pipeline_schedule=interleaved,parallel.virtual_stages=2"] > 1 / 5
     assert out["recommended"] == out["ranking"][0].split(",")
     assert f"recommended overrides: {' '.join(out['recommended'])}" in proc.stdout
     for png in ("iteration_time.png", "breakdown.png", "balance_ratio.png"):
