@@ -16,8 +16,8 @@ Every key is communication (1), computation (0) or overlap (2: both at once, Lan
 Lancet's weight-gradient scheduling (`defer_wgrad`, moe/lancet.py, Alg. 1): the weight-gradient
 part of every backward computation (`Op.deferrable`) goes to a pool instead of the clock, and
 runs during the backward token all-to-alls (`Op.a2a`) up to their duration (that stretch of the
-all-to-all is "overlap", not exposed communication); what is left runs when backward ends. Not modelled: contention between a side channel and the collectives running
-at the same time, and the clock skew between layers (each micro-batch starts with all ranks at 0).
+all-to-all is "overlap", not exposed communication); what is left runs when backward ends. Not modelled: contention between a side channel and the
+collectives running at the same time, and the clock skew between layers (each micro-batch starts with all ranks at 0).
 """
 from __future__ import annotations
 
