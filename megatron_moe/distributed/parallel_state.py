@@ -53,8 +53,9 @@ class RankLayout:
         assert self.world_size % (self.tensor * self.pipeline) == 0, "validate the config first"
         assert self.stage_size % (self.expert * self.expert_shard) == 0, "validate the config first"
 
-    def node_of(self, rank: int) -> int:
-        """The node global rank `rank` runs on (ranks fill nodes in order, as launchers place them)."""
+    def node_of(self, rank):
+        """The node global rank `rank` (an int, or an integer array of ranks: one node each) runs on
+        (ranks fill nodes in order, as launchers place them)."""
         return rank // (self.ranks_per_node or self.world_size)
 
     @property

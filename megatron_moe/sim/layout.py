@@ -44,7 +44,7 @@ class WorldLayout:
         self.group_size = {"tp": tp, "dp": layout.data_parallel, "esp": esp, "ep": ep, "ep_esp": ep * esp,
                            "edp": layout.expert_data_parallel}
         self._members: Dict[str, np.ndarray] = {}
-        self.node = node_of(layout, self.offset + rank)
+        self.node = layout.node_of(self.offset + rank)
         self.spans_nodes = {name: self.group_max(name, self.node) != self.group_min(name, self.node)
                             for name in STAGE_GROUPS}
         # the groups across stages, as ParallelState has them: a rank's pp group is its local rank on
@@ -55,9 +55,9 @@ class WorldLayout:
         self.group_id.update(pp=rank, embedding=rank if ends else self.offset + rank, world=zero)
         self.group_size.update(pp=p, embedding=2 if ends else 1, world=layout.world_size)
         for name, stages in (("pp", range(p)), ("embedding", (0, p - 1) if ends else (stage,))):
-            nodes = np.stack([node_of(layout, t * S + rank) for t in stages])  # [member stages, S]
+            nodes = np.stack([layout.node_of(t * S + rank) for t in stages])  # [member stages, S]
             self.spans_nodes[name] = (nodes != nodes[0]).any(0)
-        self.spans_nodes["world"] = np.full(S, node_of(layout, layout.world_size - 1) > 0)
+        self.spans_nodes["world"] = np.full(S, layout.node_of(layout.world_size - 1) > 0)
 
     def members(self, name: str) -> np.ndarray:
         """Int[G, n]: the stage's ranks of every `name` group in member order (ascending); only the
@@ -88,8 +88,3 @@ class WorldLayout:
         """Int[ep * esp]: the stage's ranks of ep_esp group `edp`, in group order."""
         n = self.layout.expert * self.layout.expert_shard
         return np.arange(edp * n, (edp + 1) * n)
-
-
-def node_of(layout: RankLayout, ranks: np.ndarray) -> np.ndarray:
-    """The node of every global rank (consecutive ranks share a node; one node when unknown)."""
-    return np.asarray(ranks) // (layout.ranks_per_node or layout.world_size)

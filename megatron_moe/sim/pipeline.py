@@ -30,7 +30,6 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from megatron_moe.sim.cluster import Cluster
-from megatron_moe.sim.layout import node_of
 from megatron_moe.sim.ops import Op, Traffic
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.training.pipeline import KIND as PIPELINE_KIND
@@ -50,7 +49,7 @@ class Pipeline:
         self.programs = programs(par.pipeline_schedule, self.p, micro_batches, self.v)
         self.elements = cfg.training.micro_batch_size * m.seq_length * m.hidden_size  # one message, fp32
         local = np.arange(layout.stage_size)
-        self.nodes = np.stack([node_of(layout, s * layout.stage_size + local) for s in range(self.p)])  # [p, S]
+        self.nodes = np.stack([layout.node_of(s * layout.stage_size + local) for s in range(self.p)])  # [p, S]
         neighbours = [(s, t) for s in range(self.p) for t in ((s + 1) % self.p, (s - 1) % self.p) if t != s]
         self.message = {pair: float(self._p2p(*pair).max()) for pair in neighbours}  # seconds of one message
 

@@ -180,7 +180,7 @@ class Simulation:
                                      StageParams.of(cfg, layout, s)))
         self.pipeline = Pipeline(cfg, layout, clusters[0], self.micro_batches)
         self.moe_layers = moe_layer_indices(cfg)
-        moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.moe_at = moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}  # global layer -> MoE index
         self.stage_of = {moe_at[layer]: s for s, stage in enumerate(self.stages) for chunk in stage.chunks
                          for layer in chunk if layer in moe_at}  # MoE layer index -> stage
         # MoE layers that start their chunk: no block before them prefetches their Trans (moe/cross_layer.py)
@@ -256,7 +256,7 @@ class Simulation:
     def chunk_ops(self, s: int, chunk: int, counts: np.ndarray, acc: dict) -> ChunkOps:
         """counts [L, dp, E] of one micro-batch through virtual chunk `chunk` of stage `s`: plans its
         MoE layers (in order) and builds every op; its bytes go to `acc`."""
-        stage, moe_at, out = self.stages[s], {layer: i for i, layer in enumerate(self.moe_layers)}, ChunkOps()
+        stage, moe_at, out = self.stages[s], self.moe_at, ChunkOps()
         dense = stage.dense
         if s == 0 and chunk == 0:
             out.embedding = dense.embedding()
