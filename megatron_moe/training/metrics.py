@@ -14,16 +14,25 @@ by them / their whole span; they differ where communication overlaps other work,
 planning time) and ``trans_exposed_ms`` / ``trans_total_ms`` / ``agg_exposed_ms`` /
 ``agg_total_ms`` (the layer's replica weight and gradient traffic; slowest rank);
 TensorBoard gets those as ``<field>/<key>`` and ``<field>/layer<i>``.
+
+`scalars` flattens any nesting: dicts by key, a list that is the field itself by MoE layer
+(``<field>/layer<i>``), a list inside a field by `LIST_ITEM_NAMES` or by index
+(``pipeline_compute_ms/rank<r>/forward``, ``moe_schedule/layer<i>/<schedule>``), tensors and
+numpy arrays as the numbers or lists they hold. An entry that is no real number (None, a string,
+another object) is left out of TensorBoard, and the logger says so once per field; metrics.jsonl
+keeps the whole record (tensors as lists).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import json
+import numbers
 import os
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Set, Tuple
 
+import numpy as np
 import torch
 
 Record = Dict[str, Any]
@@ -43,21 +52,42 @@ def format_console(record: Record, train_iters: int, eta_s: float) -> str:
     return line
 
 
-def scalars(record: Record) -> Iterator[Tuple[str, float]]:
-    """(tag, value) pairs for TensorBoard, nested fields flattened."""
+# names of the items of a list nested in a field (default: the item's index; a list that is the
+# field itself is per MoE layer: `layer<i>`)
+LIST_ITEM_NAMES = {"pipeline_compute_ms": ("forward", "backward")}
+
+
+def scalars(record: Record, skipped: Optional[Dict[str, str]] = None) -> Iterator[Tuple[str, float]]:
+    """(tag, value) pairs for TensorBoard: nested dicts, lists and tensors of any depth flattened
+    (see the module docstring). Entries that are no real number (None, strings, other objects)
+    are left out; `skipped` (if given) receives {tag: reason} for each."""
     for key, value in record.items():
-        if key == "iteration":
-            continue
-        if isinstance(value, dict):
-            yield from ((f"{key}/{k}", float(v)) for k, v in value.items())
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                if isinstance(v, dict):  # e.g. moe_schedule: {schedule name: forwards} per layer
-                    yield from ((f"{key}/layer{i}/{k}", float(n)) for k, n in v.items())
-                else:
-                    yield f"{key}/layer{i}", float(v)
-        else:
-            yield key, float(value)
+        if key != "iteration":
+            yield from _flatten(str(key), value, str(key), skipped)
+
+
+def _flatten(tag: str, value: Any, field: str, skipped: Optional[Dict[str, str]]) -> Iterator[Tuple[str, float]]:
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        value = value.tolist()  # 0-d: a number (complex ones are skipped below); else nested lists
+    if isinstance(value, numbers.Real):  # bool, int, float, numpy reals
+        yield tag, float(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _flatten(f"{tag}/{k}", v, field, skipped)
+    elif isinstance(value, (list, tuple)):
+        names = LIST_ITEM_NAMES.get(field, ())
+        for i, v in enumerate(value):
+            name = f"layer{i}" if tag == field else names[i] if len(value) == len(names) else str(i)
+            yield from _flatten(f"{tag}/{name}", v, field, skipped)
+    elif skipped is not None:
+        skipped[tag] = "no value (None)" if value is None else f"{type(value).__name__} {value!r:.40}, not a number"
+
+
+def _jsonable(value: Any) -> Any:
+    """`json.dumps` fallback: tensors and numpy values as numbers / lists, anything else as its str."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        return value.tolist()
+    return str(value)
 
 
 def open_jsonl(path: str, resume_from: int):
@@ -79,6 +109,7 @@ class MetricsLogger:
         self.train_iters = train_iters
         self._jsonl = None
         self._tb: Optional[Any] = None
+        self._reported: Set[str] = set()  # fields with entries left out of TensorBoard, reported once
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -96,11 +127,18 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.print(format_console(record, self.train_iters, eta_s))
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for tag, value in scalars(record):
+            skipped: Dict[str, str] = {}
+            for tag, value in scalars(record, skipped):
                 self._tb.add_scalar(tag, value, record["iteration"])
+            for tag, reason in skipped.items():  # once per field, not every iteration
+                field = tag.split("/")[0]
+                if field not in self._reported:
+                    self._reported.add(field)
+                    self.print(f"tensorboard: {tag} not written ({reason}); metrics.jsonl has it "
+                               f"(reported once per field)")
 
     @property
     def tensorboard(self) -> bool:

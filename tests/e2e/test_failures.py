@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/gpt_moe_tiny.yaml"
-SMALL = ["training.log_interval=1", "training.eval_interval=0", "logging.tensorboard=false",
+SMALL = ["training.log_interval=1", "training.eval_interval=0",
          "model.seq_length=32", "training.micro_batch_size=1", "training.global_batch_size=4"]
 
 

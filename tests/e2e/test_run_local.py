@@ -22,7 +22,7 @@ def test_run_local_trains_on_2_ranks(tmp_path):
     env.pop("OMP_NUM_THREADS", None)  # the script's default (1) applies
     proc = subprocess.run([str(SCRIPT), "2", "configs/gpt_moe_tiny.yaml", "training.train_iters=2",
                            "training.log_interval=1", "training.eval_interval=0", "model.seq_length=32",
-                           "logging.tensorboard=false", "parallel.expert=2", f"training.run_dir={run_dir}"],
+                           "parallel.expert=2", f"training.run_dir={run_dir}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["training.train_iters=3", "training.log_interval=1", "training.eval_interval=0", "model.seq_length=32",
-        "logging.tensorboard=false", "parallel.expert=2"]
+        "parallel.expert=2"]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ["--config", "configs/bert_moe_tiny.yaml", "logging.tensorboard=false"]
+CONFIG = ["--config", "configs/bert_moe_tiny.yaml"]
 INVARIANCE = ["training.train_iters=3", "training.log_interval=1", "training.eval_interval=0",
               "training.micro_batch_size=1", "training.global_batch_size=4", "model.seq_length=32",
               "model.dropout=0.0", "moe.capacity_factor=null", "optimizer.warmup_iters=1"]

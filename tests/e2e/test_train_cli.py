@@ -28,8 +28,7 @@ CONFIG = ["--config", "configs/gpt_moe_tiny.yaml"]
 # short deterministic runs: dropout 0, dropless, fixed micro/global batch, one record per iteration
 INVARIANCE = ["training.train_iters=4", "training.log_interval=1", "training.eval_interval=0",
               "training.micro_batch_size=1", "training.global_batch_size=8", "model.seq_length=32",
-              "model.dropout=0.0", "moe.capacity_factor=null", "optimizer.warmup_iters=1",
-              "logging.tensorboard=false"]
+              "model.dropout=0.0", "moe.capacity_factor=null", "optimizer.warmup_iters=1"]
 
 
 def run_cli(nproc, overrides, timeout=300):

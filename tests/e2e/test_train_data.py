@@ -16,8 +16,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 TRAIN = ["--config", "configs/gpt_moe_tiny.yaml", "training.train_iters=3", "training.log_interval=1",
-         "training.eval_interval=3", "training.eval_iters=1", "model.seq_length=32", "model.vocab_size=320",
-         "logging.tensorboard=false"]
+         "training.eval_interval=3", "training.eval_iters=1", "model.seq_length=32", "model.vocab_size=320"]
 
 
 def _preprocess(d, name, texts, tok):
