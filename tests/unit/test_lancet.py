@@ -13,10 +13,11 @@ from megatron_moe.config import ConfigError, load_config, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad
 from megatron_moe.moe.lancet import WGradScheduler, deferred_linear
-from megatron_moe.moe.lancet_partition import ForwardPartitioner, op_names
+from megatron_moe.moe.lancet_partition import ForwardPartitioner
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
                                                 pipeline_time, segment_time)
+from tests.lancet_times import measure_injected
 from tests.tiny_model import assert_same_steps, tiny_model_steps
 
 NO_A2A = AlphaBeta(0.0, 0.0)  # an all-to-all estimate of 0 s: `fill` runs nothing, backward's end everything
@@ -217,21 +218,9 @@ def test_fixed_partition_ranges_do_not_overlap():
     assert [(s.start, s.end, s.moe) for s in fixed_partitioning(is_moe, 4, 2)] == [(1, 6, 3), (6, 8, 7)]
 
 
-def _injected_op_times(partitioner, layers, x, padding_mask):
-    """`ForwardPartitioner.measure` with times where overlap pays (all-to-alls twice the attention;
-    partitioning costs 0.02 s an op): injected, so that `auto` picks segments on any machine."""
-    max_parts = min(partitioner.max_parts, x.shape[0])
-    ops = []
-    for name in op_names(layers):
-        times = {k: 1.0 / k + 0.02 for k in range(1, max_parts + 1)}
-        moe = {k: MoECost(0.5 / k + 0.02, 2.0 / k, 2.0 / k) for k in times} if name.startswith("moe") else None
-        ops.append(Instruction(name, times, moe))
-    return ops
-
-
 @pytest.fixture
 def planned(monkeypatch):
-    """Inject op times into `auto` and record every plan it makes."""
+    """Inject op times into `auto` (tests/lancet_times.py) and record every plan it makes."""
     plans = []
     plan = ForwardPartitioner.plan
 
@@ -239,7 +228,7 @@ def planned(monkeypatch):
         plans.append(plan(self, *args))
         return plans[-1]
 
-    monkeypatch.setattr(ForwardPartitioner, "measure", _injected_op_times)
+    monkeypatch.setattr(ForwardPartitioner, "measure", measure_injected)
     monkeypatch.setattr(ForwardPartitioner, "plan", recording)
     return plans
 
