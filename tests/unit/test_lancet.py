@@ -97,7 +97,7 @@ def test_fill_keeps_each_parameters_dw_in_queue_order():
     assert ran == ["b", "a1", "a2"]
 
 
-def test_gradients_do_not_depend_on_the_measured_times():
+def test_gradients_do_not_depend_on_the_measured_times(one_thread):
     """Two weights used by 4 batch parts (Lancet's partitions): 8 deferred dW, 4 per weight, whose
     magnitudes span 1e-3..1e3 so that the order of the float additions into `.grad` shows. An
     all-to-all fills before each part's backward, with injected seconds-per-FLOP and all-to-all
@@ -234,7 +234,7 @@ def planned(monkeypatch):
 
 
 @pytest.mark.parametrize("bert", [False, True], ids=["gpt", "bert"])
-def test_partitioned_forward_is_exact_with_dropout_and_drops(bert, planned):
+def test_partitioned_forward_is_exact_with_dropout_and_drops(bert, planned, one_thread):
     plain = tiny_model_steps([], bert)
     assert sum(plain[0].dropped) > 0
     for parts, reach, defer in [(2, "1", False), (4, "0", True), (3, "3", False), (4, "auto", False)]:
@@ -246,7 +246,7 @@ def test_partitioned_forward_is_exact_with_dropout_and_drops(bert, planned):
 
 
 @pytest.mark.parametrize("max_range,segments", [(None, [(0, 2), (2, 4)]), (1, []), (3, [(0, 3)]), (10, [(0, 3)])])
-def test_max_range_bounds_the_auto_search(max_range, segments, planned):
+def test_max_range_bounds_the_auto_search(max_range, segments, planned, one_thread):
     """§5.1's iota reaches the dynamic program: by default 2 x layer_freq = 2 sublayers (one
     pipeline per MoE layer), 1 = the MoE FFN alone (no overlap: nothing pays), 3 and more lets
     [attention 0, MoE 0, attention 1] form one pipeline, the best unbounded pick."""

@@ -282,7 +282,7 @@ def test_auto_chooses_from_the_balancers_placement(tmp_path):
         assert torch.equal(balancer.calls[0][0], counts.flip(0)) and torch.equal(balancer.calls[1][0], counts)
 
 
-def test_auto_and_the_balancers_without_a_profile(tmp_path, monkeypatch):
+def test_auto_and_the_balancers_without_a_profile(tmp_path, monkeypatch, one_thread):
     """Library use without `perf.hardware_profile` (review issue #27 item 2): a schedule or
     balancer built on its own says in one line what to pass; a model calibrates on its ranks as
     the trainer does (`resolve_hardware_profile`) and runs."""
