@@ -35,7 +35,8 @@ before the MoE layer (Lancet §5: the topology gate's budget ranks the whole bat
 `auto` measures every sublayer once, on the first forward, at 1..k parts (forward only, no
 dropout, nothing recorded), takes the maximum over the ranks of the pipeline stage, and runs §5.1's
 dynamic program over segments of at most `moe.lancet.max_range` sublayers (the paper's iota;
-default 2 x `moe.layer_freq`, one MoE FFN to the next). With pipeline stages each model chunk has its own partitioner over its layers.
+default 2 x `moe.layer_freq`, one MoE FFN to the next). With pipeline stages each model chunk has
+its own partitioner over its layers.
 """
 from __future__ import annotations
 
