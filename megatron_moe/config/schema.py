@@ -65,6 +65,9 @@ class LancetConfig:
     defer_wgrad: bool = False  # §4 Alg. 1: dW of every linear runs while backward all-to-alls are in flight
     partitions: int = 1  # §5: micro-batch split into this many batch parts around MoE layers (auto: at most this many); 1 = off
     partition_range: str = "auto"  # §5.1: auto (dynamic program over measured op times) | N sublayers before/after each MoE FFN
+    # §5.1's iota, for partition_range=auto: the longest segment (sublayers) the dynamic program
+    # considers; null = 2 x moe.layer_freq, one MoE FFN to the next (the paper's: one pipeline per MoE layer)
+    max_range: Optional[int] = None
 
 
 @dataclass
@@ -159,8 +162,9 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    # null = embedded corpus (stdlib sources, BPE-tokenized, cached); [prefix] or [w1, prefix1, w2, prefix2, ...]
-    path: Optional[List[Any]] = None
+    # null = embedded corpus (stdlib sources, BPE-tokenized, cached); Megatron-LM's --data-path forms:
+    # prefix | [prefix1, prefix2, ...] | [w1, prefix1, w2, prefix2, ...] | "w1 prefix1 w2 prefix2" (data/blend.py)
+    path: Any = None
     split: str = "969,30,1"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # required with data.path
     cache_dir: Optional[str] = None  # embedded corpus + indices (null: ~/.cache/megatron_moe; indices by the data)

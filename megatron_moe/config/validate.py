@@ -231,7 +231,8 @@ def tokenizer_spec(cfg: Config):
 
 
 def _check_parm(cfg: Config) -> None:
-    """Parm and balancer options (moe/schedules/parm.py, moe/balancers/): SAA belongs to S2; auto's
+    """Parm and balancer options (moe/schedules/parm.py, moe/balancers/): SAA belongs to S2 with an MP
+    group (auto picks S1 when parallel.tensor=1, so auto + SAA never runs SAA there); auto's
     pick must agree over TP and ep_esp groups; a given hardware profile must have what the
     configured techniques' models need (without one, they are calibrated at start-up)."""
     from megatron_moe.perf.hardware import load_profile
@@ -240,6 +241,10 @@ def _check_parm(cfg: Config) -> None:
     if moe.saa and moe.schedule not in ("s2", "auto"):
         raise ConfigError(f"moe.saa=true needs moe.schedule s2 or auto, not {moe.schedule!r}")
     par = cfg.parallel
+    if moe.saa and moe.schedule == "s2" and par.tensor == 1:
+        raise ConfigError("moe.saa=true with moe.schedule=s2 needs parallel.tensor > 1: SAA overlaps S2's second "
+                          "EP&ESP-AlltoAll with its MP-AllGather, and with parallel.tensor=1 there is no all-gather "
+                          "(its N_EP phases would be pure overhead); set moe.saa=false")
     ep_esp = par.expert * par.expert_shard
     if moe.schedule == "auto" and par.tensor % ep_esp and ep_esp % par.tensor:
         # ranks sharing a TP group or an ep_esp group must pick alike (moe/schedules/parm.py)
@@ -300,7 +305,7 @@ def _check_vexperts(cfg: Config) -> None:
 
 def profile_needs(cfg: Config):
     """[(hardware profile ops, the config key=value that needs them)] for `cfg`'s techniques."""
-    from megatron_moe.perf.hardware import BALANCER_OPS, PARM_OPS
+    from megatron_moe.perf.hardware import BALANCER_OPS, LANCET_OPS, PARM_OPS
     from megatron_moe.perf.proprophet_model import PROPROPHET_OPS
 
     needs = []
@@ -310,6 +315,8 @@ def profile_needs(cfg: Config):
         needs.append((BALANCER_OPS, f"moe.balancer={cfg.moe.balancer}"))
     if cfg.moe.balancer == "proprophet":
         needs.append((PROPROPHET_OPS, "moe.balancer=proprophet"))
+    if cfg.moe.lancet.defer_wgrad:  # Alg. 1's budget: each backward all-to-all's estimated time
+        needs.append((LANCET_OPS, "moe.lancet.defer_wgrad=true"))
     return needs
 
 
@@ -324,6 +331,9 @@ def _check_lancet_partitions(cfg) -> None:
     rng = str(lancet.partition_range)
     if rng != "auto" and not (rng.isdigit()):
         raise ConfigError(f"moe.lancet.partition_range={rng!r} must be auto or a number of sublayers >= 0")
+    if lancet.max_range is not None and (lancet.max_range < 1 or rng != "auto"):
+        raise ConfigError(f"moe.lancet.max_range={lancet.max_range} must be >= 1 (or null) and needs "
+                          f"moe.lancet.partition_range=auto (got {rng!r}): it bounds the dynamic program's segments")
     if lancet.partitions > 1 and cfg.training.recompute != "none":
         raise ConfigError(f"moe.lancet.partitions>1 and training.recompute={cfg.training.recompute} cannot be "
                           "combined yet: the partitioned forward runs sublayers per batch part, outside the "

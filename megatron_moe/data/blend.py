@@ -1,6 +1,7 @@
 """Weighted blending of datasets (Megatron-LM's BlendedDataset) and the train/valid/test builder.
 
-`data.path: [0.3, prefixA, 0.7, prefixB]` mixes two corpora 30/70. Blended sample i comes from the
+`data.path: [0.3, prefixA, 0.7, prefixB]` (or Megatron-LM's `--data-path` string
+`"0.3 prefixA 0.7 prefixB"`) mixes two corpora 30/70. Blended sample i comes from the
 dataset whose next sample is most overdue: dataset d's k-th sample is due at time (k + 1/2) / w_d,
 and samples are taken in order of due time (ties: lower d first). After any n samples every
 dataset has contributed w_d * n samples up to about one, and sample i's source never depends on
@@ -21,17 +22,39 @@ SPLIT_NAMES = ("train", "valid", "test")
 _BLEND_ARRAYS = ("dataset_index", "dataset_sample_index")
 
 
-def parse_blend(path: Sequence[Union[str, float, int]]) -> Tuple[List[str], Optional[List[float]]]:
-    """[prefix] | [w1, prefix1, w2, prefix2, ...] | [prefix1, prefix2, ...] -> (prefixes, weights or None)."""
-    items = list(path)
+DATA_PATH_FORMS = ("a prefix, a list of prefixes, or weight/prefix pairs ('w1 p1 w2 p2' or [w1, p1, w2, p2]), "
+                   "as Megatron-LM's --data-path takes them")
+
+
+def data_path_items(path: Union[str, Sequence[Union[str, float, int]]]) -> List[Union[str, float]]:
+    """`data.path` in any of Megatron-LM's `--data-path` forms -> one flat list of prefixes and
+    weights: one string holds whitespace-separated items ("prefix", "p1 p2", "w1 p1 w2 p2"), a list
+    holds items; an item that reads as a number is a weight."""
+    items = path.split() if isinstance(path, str) else path
+    if not isinstance(items, (list, tuple)) or not all(
+            isinstance(p, (str, int, float)) and not isinstance(p, bool) for p in items):
+        raise ValueError(f"data.path={path!r} must be {DATA_PATH_FORMS}")
+    out: List[Union[str, float]] = []
+    for item in items:
+        try:
+            out.append(float(item))
+        except ValueError:
+            out.append(item)
+    return out
+
+
+def parse_blend(path) -> Tuple[List[str], Optional[List[float]]]:
+    """`data.path` (`data_path_items`' forms) -> (prefixes, weights or None): [prefix] |
+    [prefix1, prefix2, ...] | [w1, prefix1, w2, prefix2, ...]."""
+    items = data_path_items(path)
     if not items:
-        raise ValueError("data.path is empty; give a prefix or [weight, prefix, ...] pairs")
+        raise ValueError(f"data.path={path!r} is empty; it must be {DATA_PATH_FORMS}")
     if all(isinstance(p, str) for p in items):
         return items, None
-    if len(items) % 2 or not all(isinstance(w, (int, float)) and isinstance(p, str)
+    if len(items) % 2 or not all(isinstance(w, float) and isinstance(p, str)
                                  for w, p in zip(items[0::2], items[1::2])):
-        raise ValueError(f"data.path={items}: expected [weight, prefix, weight, prefix, ...]")
-    weights = [float(w) for w in items[0::2]]
+        raise ValueError(f"data.path={path!r}: expected weight, prefix pairs ([w1, p1, w2, p2, ...] or 'w1 p1 w2 p2')")
+    weights = items[0::2]
     if min(weights) < 0 or sum(weights) <= 0:
         raise ValueError(f"data.path weights {weights} must be non-negative and not all zero")
     return list(items[1::2]), weights

@@ -12,6 +12,7 @@ from typing import List, Tuple
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import tokenizer_spec, validate_data_config
+from megatron_moe.data.blend import data_path_items
 from megatron_moe.data.tokenizers import TokenizerSpec
 
 
@@ -20,7 +21,7 @@ def data_source(cfg: Config, sentences: bool = False) -> Tuple[List, TokenizerSp
     corpus's sentence-level dataset (BERT)."""
     validate_data_config(cfg)
     if cfg.data.path is not None:
-        return list(cfg.data.path), tokenizer_spec(cfg)
+        return data_path_items(cfg.data.path), tokenizer_spec(cfg)
     from megatron_moe.data.embedded_corpus import ensure_embedded_corpus
 
     corpus = ensure_embedded_corpus(cfg.data.cache_dir, vocab_size=cfg.data.embedded_vocab_size)

@@ -148,6 +148,14 @@ def pick_backend(requested: str, cuda_available: Optional[bool] = None) -> str:
     return requested
 
 
+def default_device(backend: str = "auto") -> torch.device:
+    """The device this rank computes on for `parallel.backend`: its current GPU with NCCL (set by
+    `initialize`), else the CPU."""
+    if pick_backend(backend) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def local_device_index(local_rank: int, device_count: int) -> int:
     """GPU of a rank: its local rank among the node's GPUs, or 0 if it sees only one."""
     if device_count == 1:

@@ -25,12 +25,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_moe.config.schema import Config
+from megatron_moe.distributed.launch import default_device
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.compile import compile_layers
 from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
+from megatron_moe.perf.calibrate import resolve_hardware_profile
 from megatron_moe.tensor_parallel import DropoutRNG
 
 
@@ -116,6 +118,10 @@ class StagedModel(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState, *, causal: bool, num_token_types: int = 0,
                  tied_head: bool = True):
         super().__init__()
+        # a technique that needs a hardware profile (moe.schedule=auto, the balancers' cost models,
+        # Lancet's dW budget) and has none: calibrate on these ranks as the trainer does (collective;
+        # a no-op when the trainer already did, or when the config names one)
+        cfg = resolve_hardware_profile(cfg, state, default_device(cfg.parallel.backend), run_dir_copy=False)
         m = cfg.model
         self.cfg, self.state = cfg, state
         self.stage = StageChunks.of(cfg, state.pp.rank)

@@ -269,7 +269,7 @@ class _GroupedMMIntoGrad(torch.autograd.Function):
         if ctx.scheduler is None:
             dw()
         else:  # Lancet: run it while a backward all-to-all is in flight (moe/lancet.py)
-            ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw)
+            ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw, (leaf,))
         return dx, None, None, None, None, None
 
 

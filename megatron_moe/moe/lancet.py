@@ -17,59 +17,79 @@ launch so they run while it is in flight. Here autograd is the graph and the pas
   empty;
 * whatever is still queued runs when the backward pass ends (autograd's `queue_callback`), so every
   `.grad` is complete before the optimizer sees it. dW is the same matmul autograd would run, so
-  the gradients are those of the plain run (float rounding of the accumulation order aside).
+  the gradients are those of the plain run up to the order of the float additions into `.grad`.
+
+That order never depends on timing: `fill` chooses only among *ready* dW, those whose parameters
+have no earlier-queued dW still waiting, so the dW of one parameter (one per batch part with
+`moe.lancet.partitions`, one per pairwise step of the smart schedule) are added to its `.grad` in
+the order backward queued them, which is program order. Measured times decide which all-to-all
+hides a dW, never the result: two runs of one config give bitwise-identical gradients whatever
+the load (`tests/distributed/test_reproducible.py`).
 
 Times (Alg. 1's GetInstrExecTime): a dW's is its FLOPs x the seconds per FLOP measured on the dW
 work already run (an exponential moving average, seeded by the hardware profile's
-`expert_compute.beta` when there is one); an all-to-all's comes from the profile's
-`ep_esp_alltoall` alpha-beta on its elements. Without a profile the all-to-all time is unknown
-and every queued dW runs in the first all-to-all that comes (the greedy's limit case).
+`expert_compute.beta`); an all-to-all's comes from the profile's `ep_esp_alltoall` alpha-beta on
+its elements. The profile is `perf.hardware_profile` or, unset, the one calibrated at start-up
+(`perf/calibrate.py`: `profile_needs` asks for the all-to-all's estimate), so the budget is finite.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron_moe.perf.alpha_beta import AlphaBeta
+from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
 
 
 class WGradScheduler:
-    """The dW work of one model's backward passes, deferred and run while all-to-alls are in flight."""
+    """The dW work of one model's backward passes, deferred and run while all-to-alls are in flight;
+    `alltoall`: alpha-beta seconds of a backward all-to-all on its elements (Alg. 1's budget)."""
 
-    def __init__(self, seconds_per_flop: float = 1e-10, alltoall: Optional[AlphaBeta] = None):
+    def __init__(self, alltoall: AlphaBeta, seconds_per_flop: float = 1e-10):
         self.seconds_per_flop = seconds_per_flop
         self.alltoall = alltoall
-        self.pending: List[Tuple[float, Callable[[], None]]] = []  # (FLOPs, closure)
+        # (FLOPs, closure, ids of the parameters whose .grad it adds to), in the order backward queued them
+        self.pending: List[Tuple[float, Callable[[], None], Tuple[int, ...]]] = []
         self._callback_queued = False
         self.overlapped_seconds = 0.0  # dW time run inside all-to-alls (since `reset_counters`)
         self.drained_seconds = 0.0  # dW time run at the end of backward
 
-    def defer(self, flops: float, work: Callable[[], None]) -> None:
-        """Queue one dW computation (called from a backward function)."""
-        self.pending.append((float(flops), work))
+    def defer(self, flops: float, work: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
+        """Queue one dW computation (called from a backward function) that adds to `params`' `.grad`."""
+        self.pending.append((float(flops), work, tuple(id(p) for p in params)))
         if not self._callback_queued:  # run what is left when this backward pass ends
             torch.autograd.Variable._execution_engine.queue_callback(self.drain)
             self._callback_queued = True
 
     def fill(self, elements: int) -> None:
-        """Alg. 1 lines 14-22 for an all-to-all of `elements` now in flight."""
-        budget = self.alltoall.time(elements) if self.alltoall is not None else float("inf")
+        """Alg. 1 lines 14-22 for an all-to-all of `elements` now in flight, over the ready dW."""
+        budget = self.alltoall.time(elements)
         while budget > 0 and self.pending:
-            estimates = [flops * self.seconds_per_flop for flops, _ in self.pending]
-            j = min(range(len(estimates)), key=lambda i: abs(budget - estimates[i]))
-            flops, work = self.pending.pop(j)
+            estimates = {i: self.pending[i][0] * self.seconds_per_flop for i in self._ready()}
+            j = min(estimates, key=lambda i: abs(budget - estimates[i]))
+            flops, work, _ = self.pending.pop(j)
             self.overlapped_seconds += self._run(flops, work)
             budget -= estimates[j]  # t_u <- t_u - t^W_j
 
+    def _ready(self) -> List[int]:
+        """Indices of the queued dW that share no parameter with an earlier-queued one: running
+        only these keeps every parameter's additions in queue order (module docstring)."""
+        seen, ready = set(), []
+        for i, (_, _, params) in enumerate(self.pending):
+            if seen.isdisjoint(params):
+                ready.append(i)
+            seen.update(params)
+        return ready
+
     def drain(self) -> None:
-        """Run every queued dW (end of the backward pass)."""
+        """Run every queued dW, in queue order (end of the backward pass)."""
         while self.pending:
-            flops, work = self.pending.pop(0)
+            flops, work, _ = self.pending.pop(0)
             self.drained_seconds += self._run(flops, work)
         self._callback_queued = False
 
@@ -113,7 +133,8 @@ class _DeferredLinear(torch.autograd.Function):
             if bias is not None:
                 accumulate_grad(bias, dy.sum(0))
 
-        ctx.scheduler.defer(2.0 * rows.shape[0] * rows.shape[1] * dy.shape[1], dw)
+        ctx.scheduler.defer(2.0 * rows.shape[0] * rows.shape[1] * dy.shape[1], dw,
+                            (weight,) if bias is None else (weight, bias))
         return dx, None, None, None, None
 
 
@@ -149,15 +170,12 @@ def attach_from_config(model: torch.nn.Module, cfg) -> Optional[WGradScheduler]:
 
 
 def build_scheduler(cfg) -> Optional[WGradScheduler]:
-    """The model's `WGradScheduler` when `moe.lancet.defer_wgrad` is on (times from the hardware
-    profile when one is configured), else None."""
+    """The model's `WGradScheduler` when `moe.lancet.defer_wgrad` is on, else None: the all-to-all
+    budget and the first dW estimate from `perf.hardware_profile` (the models calibrate one at
+    start-up when it is unset; `perf/hardware.py` `configured_profile`)."""
     if not cfg.moe.lancet.defer_wgrad:
         return None
-    if not cfg.perf.hardware_profile:
-        return WGradScheduler()
-    from megatron_moe.perf.hardware import load_profile
-
-    profile = load_profile(cfg.perf.hardware_profile)
-    compute = getattr(profile, "expert_compute", None)
-    return WGradScheduler(seconds_per_flop=compute.beta if compute is not None and compute.beta > 0 else 1e-10,
-                          alltoall=getattr(profile, "ep_esp_alltoall", None))
+    profile = configured_profile(cfg, LANCET_OPS, "moe.lancet.defer_wgrad=true")
+    compute = profile.expert_compute
+    return WGradScheduler(profile.ep_esp_alltoall,
+                          seconds_per_flop=compute.beta if compute is not None and compute.beta > 0 else 1e-10)

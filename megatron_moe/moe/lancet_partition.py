@@ -34,7 +34,9 @@ before the MoE layer (Lancet §5: the topology gate's budget ranks the whole bat
 `partition_range: N` takes up to N sublayers before and after every MoE FFN (0: the MoE FFN alone).
 `auto` measures every sublayer once, on the first forward, at 1..k parts (forward only, no
 dropout, nothing recorded), takes the maximum over the ranks of the pipeline stage, and runs §5.1's
-dynamic program. With pipeline stages each model chunk has its own partitioner over its layers.
+dynamic program over segments of at most `moe.lancet.max_range` sublayers (the paper's iota;
+default 2 x `moe.layer_freq`, one MoE FFN to the next). With pipeline stages each model chunk has
+its own partitioner over its layers.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning,
-                                                fixed_partitioning, segment_time)
+                                                fixed_partitioning, partition_max_range, segment_time)
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)
 
@@ -81,8 +83,9 @@ def _run_op(layers, op: int, x: torch.Tensor, padding_mask, aux_losses: Optional
 class ForwardPartitioner:
     """Runs a model's layers with Lancet's partitioned segments (module docstring)."""
 
-    def __init__(self, state, rng, layers, max_parts: int, partition_range: str):
-        self.state, self.rng, self.max_parts = state, rng, max_parts
+    def __init__(self, state, rng, layers, max_parts: int, partition_range: str, max_range: Optional[int] = None):
+        """`max_range`: auto's longest segment in sublayers (§5.1's iota; None = no limit)."""
+        self.state, self.rng, self.max_parts, self.max_range = state, rng, max_parts, max_range
         is_moe = [op % 2 == 1 and layers[op // 2].is_moe for op in range(2 * len(layers))]
         self.segments: Optional[List[Segment]] = None if partition_range == "auto" else fixed_partitioning(
             is_moe, max_parts, int(partition_range))  # auto: planned on the first forward
@@ -160,7 +163,7 @@ class ForwardPartitioner:
     def plan(self, layers, x: torch.Tensor, padding_mask) -> List[Segment]:
         """`partition_range: auto`: the segments of §5.1's dynamic program over measured op times."""
         instructions = self.measure(layers, x, padding_mask)
-        predicted, segments = best_partitioning(instructions, min(self.max_parts, x.shape[0]))
+        predicted, segments = best_partitioning(instructions, min(self.max_parts, x.shape[0]), self.max_range)
         plain = segment_time(instructions, 0, len(instructions), 1)
         self.prediction = dict(plain_forward_s=plain, partitioned_forward_s=predicted,
                                segments=[(s.start, s.end, s.parts) for s in segments])
@@ -226,4 +229,5 @@ def from_config(cfg, state, rng, layers) -> Optional[ForwardPartitioner]:
     lancet = cfg.moe.lancet
     if lancet.partitions <= 1 or not any(layer.is_moe for layer in layers):
         return None
-    return ForwardPartitioner(state, rng, layers, lancet.partitions, str(lancet.partition_range))
+    return ForwardPartitioner(state, rng, layers, lancet.partitions, str(lancet.partition_range),
+                              partition_max_range(lancet.max_range, cfg.moe.layer_freq))

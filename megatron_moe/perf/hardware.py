@@ -52,6 +52,7 @@ from megatron_moe.perf.alpha_beta import AlphaBeta
 
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
 BALANCER_OPS = ("p2p", "broadcast", "expert_compute")  # FasterMoE Eq. 7-10 (and the balancers after it)
+LANCET_OPS = ("ep_esp_alltoall",)  # Lancet Alg. 1's all-to-all time (moe/lancet.py); expert_compute seeds dW's
 OPS = PARM_OPS + BALANCER_OPS
 LINK_KINDS = ("all_to_all", "all_gather", "all_reduce", "p2p", "broadcast", "reduce")  # cluster.links
 
@@ -152,6 +153,19 @@ def load_profile(path: str) -> HardwareProfile:
     cluster = _cluster(raw["cluster"], where) if "cluster" in raw else None
     return HardwareProfile(str(raw.get("name", os.path.basename(path))), description=str(raw.get("description", "")),
                            fit=dict(raw.get("fit") or {}), cluster=cluster, **ops)
+
+
+def configured_profile(cfg, ops: Sequence[str], who: str) -> HardwareProfile:
+    """`perf.hardware_profile` of `cfg`, loaded and checked for `ops` (needed by `who`, a config
+    key=value). Unset, a ConfigError says what to pass: the trainer and the models
+    (`model/pipeline_stages.py`) calibrate one first (`perf/calibrate.py`), a schedule, balancer
+    or Lancet scheduler built on its own cannot."""
+    path = cfg.perf.hardware_profile
+    if not path:
+        raise ConfigError(f"{who} needs perf.hardware_profile: set it, or pass the config through "
+                          "perf.calibrate.resolve_hardware_profile(cfg, state, device) first (the trainer, "
+                          "GPTMoEModel and BertMoEModel do: they calibrate one on the ranks)")
+    return load_profile(path).require(ops, who)
 
 
 def profile_dict(profile: HardwareProfile) -> Dict[str, Any]:

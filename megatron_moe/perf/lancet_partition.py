@@ -127,6 +127,13 @@ def best_partitioning(instructions: Sequence[Instruction], max_parts: int,
     return best[n_ops], segments[::-1]
 
 
+def partition_max_range(max_range: Optional[int], layer_freq: int) -> int:
+    """`moe.lancet.max_range` (Lancet's iota, §5.1 / §7: "the execution time between two MoE
+    layers, so one pipeline will be formed per MoE layer"); null = 2 x `moe.layer_freq`
+    instructions, from one MoE FFN to the next."""
+    return max_range if max_range is not None else 2 * layer_freq
+
+
 def fixed_partitioning(is_moe: Sequence[bool], parts: int, reach: int) -> List[Segment]:
     """`moe.lancet.partition_range: N`: every MoE FFN with up to `reach` instructions before and
     after it, as `parts` parts. Instructions between two MoE FFNs go to the earlier one's range

@@ -24,7 +24,7 @@ parts' compute, and a communication op with what the pipeline leaves exposed.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -101,10 +101,11 @@ def _moe_parts(ops: List[Op]) -> Tuple[List[Op], List[Op], List[Op]]:
 
 
 def lancet_segments(sublayers: List[Tuple[str, List[Op], bool]], max_parts: int, partition_range: str,
-                    world) -> List[Segment]:
+                    world, max_range: Optional[int] = None) -> List[Segment]:
     """`moe.lancet.partition_range`: auto, §5.1's dynamic program over the simulated instruction
-    times (`best_partitioning`); N, every MoE FFN with N sublayers before and after it
-    (`fixed_partitioning`), as `moe/lancet_partition.py` decides on measured times."""
+    times (`best_partitioning`, segments of at most `max_range` sublayers); N, every MoE FFN with N
+    sublayers before and after it (`fixed_partitioning`), as `moe/lancet_partition.py` decides on
+    measured times."""
     if str(partition_range) != "auto":
         return fixed_partitioning([is_moe for _, _, is_moe in sublayers], max_parts, int(partition_range))
     instructions = []
@@ -116,7 +117,7 @@ def lancet_segments(sublayers: List[Tuple[str, List[Op], bool]], max_parts: int,
             moe = {k: MoECost(float(_slowest(compute, k, world).max()), float(_slowest(before, k, world).max()),
                               float(_slowest(after, k, world).max())) for k in range(1, max_parts + 1)}
         instructions.append(Instruction(label, times, moe))
-    return best_partitioning(instructions, max_parts)[1]
+    return best_partitioning(instructions, max_parts, max_range)[1]
 
 
 def lancet_forward(sublayers: List[Tuple[str, List[Op], bool]], segments: List[Segment],

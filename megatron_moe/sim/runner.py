@@ -43,6 +43,7 @@ from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.vexperts import SlotTable
 from megatron_moe.perf.calibrate import ExpertShape
 from megatron_moe.perf.hardware import HardwareProfile, save_profile
+from megatron_moe.perf.lancet_partition import partition_max_range
 from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import WorldLayout
 from megatron_moe.sim.model import DenseModel, lancet_forward, lancet_segments
@@ -291,7 +292,8 @@ class Simulation:
         if lancet.partitions > 1:
             world = self.stages[s].world
             segments = lancet_segments(ops.sublayers, min(lancet.partitions, self.cfg.training.micro_batch_size),
-                                       lancet.partition_range, world)
+                                       lancet.partition_range, world,
+                                       partition_max_range(lancet.max_range, self.cfg.moe.layer_freq))
             forward = lancet_forward(ops.sublayers, segments, world)
         else:
             forward = [(label, sub) for label, sub, _ in ops.sublayers]

@@ -1,7 +1,9 @@
 """Pipeline schedules as per-rank programs: Megatron-LM's 1F1B and interleaved 1F1B (Narayanan et
 al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21,
-§2.2.1 / §2.2.2; Megatron-LM's `forward_backward_pipelining_without_interleaving` and
-`..._with_interleaving`, the non-overlapped p2p variant), `parallel.pipeline_schedule`.
+§2.2.1 / §2.2.2; the step order of Megatron-LM's `forward_backward_pipelining_without_interleaving`
+and `..._with_interleaving`), `parallel.pipeline_schedule`. Each `Exchange` is posted asynchronously
+and waited for only by the compute step that needs what it receives (training/pipeline.py), so
+sends and later receives run while the stage computes.
 
 A program is what one pipeline stage does, in order: `Compute` steps (the forward or the backward of
 one micro-batch through one of its model chunks) and `Exchange` steps (one batch of point-to-point

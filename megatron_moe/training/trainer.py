@@ -34,7 +34,7 @@ import torch
 from megatron_moe.config import Config, save_config
 from megatron_moe.data.batches import Batch, collate, global_batch, rank_micro_batches
 from megatron_moe.distributed import collectives
-from megatron_moe.distributed.launch import pick_backend
+from megatron_moe.distributed.launch import default_device
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
 from megatron_moe.training.grads import GradSync
@@ -52,9 +52,7 @@ from megatron_moe.perf.calibrate import resolve_hardware_profile
 
 
 def training_device(cfg: Config) -> torch.device:
-    if pick_backend(cfg.parallel.backend) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return default_device(cfg.parallel.backend)
 
 
 # per-MoE-layer time columns of `IterationMoEStats.timing`, in metrics.jsonl (ms)

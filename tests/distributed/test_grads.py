@@ -6,9 +6,10 @@
    exact expected values (the norm counts every parameter once: no double counting of replicas).
 2. The real GPT-MoE model: one global batch on 8 ranks (tensor=2 expert=2 expert_shard=2, dp 4,
    edp 2) and on 4 ranks (expert=2 expert_shard=2, esp != tp) gives the same synced gradients and
-   grad norm as one process; on 4 ranks so does the same model with full activation
-   recomputation (`training.recompute=full`) under s2 + SAA with FasterMoE replicas: its MoE layers
-   run their all-to-alls again in backward and replay the placements planned in forward.
+   grad norm as one process; on 4 ranks (tensor=2 expert=2: SAA needs an MP group) so does the
+   same model with full activation recomputation (`training.recompute=full`) under s2 + SAA with
+   FasterMoE replicas: its MoE layers run their all-to-alls again in backward and replay the
+   placements planned in forward.
 """
 import math
 import zlib
@@ -18,7 +19,7 @@ import torch
 
 from megatron_moe.config import load_config
 from megatron_moe.distributed import collectives as C
-from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.training.grads import GradSync
 from tests.distributed.harness import run_distributed
@@ -113,13 +114,15 @@ def _model_config(layout, extra=()):
 
 RECOMPUTE = ["training.recompute=full", "moe.schedule=s2", "moe.saa=true", "moe.balancer=fastermoe",
              "moe.fastermoe.min_shadow=1", "perf.hardware_profile=configs/hardware/cpu_gloo_2proc.yaml"]
+RECOMPUTE_LAYOUT = dict(tensor=2, expert=2)  # on the 4 ranks (moe.saa=true with s2 needs parallel.tensor > 1)
 
 
 def _check_all(state, layout):
     handmade = _check_handmade(state)
     runs = [_trainer_grads(_model_config(layout), state)]
     if state.world_size == 4:
-        runs.append(_trainer_grads(_model_config(layout, RECOMPUTE), state))
+        sub = ParallelState.build(RankLayout(world_size=4, **RECOMPUTE_LAYOUT), state.rank)
+        runs.append(_trainer_grads(_model_config(RECOMPUTE_LAYOUT, RECOMPUTE), sub))
     return (handmade, *runs)
 
 

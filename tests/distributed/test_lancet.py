@@ -6,6 +6,8 @@
 2. The partitioned forward (moe/lancet_partition.py, `moe.lancet.partitions` 2 and 4, with and
    without `defer_wgrad`), on the whole GPT-MoE model through the trainer: loss, aux loss, grad
    norm and every synced gradient equal one process running the unpartitioned model.
+3. `defer_wgrad` without `perf.hardware_profile` (a GPTMoEModel built directly): calibration gives
+   Alg. 1 a finite all-to-all budget, so the dW spread over the backward all-to-alls.
 """
 import pytest
 import torch
@@ -58,7 +60,7 @@ def _partitioned(state, layout):
     return out
 
 
-def _run(state, jobs):
+def _run(state, jobs, cache):
     def setup(run):
         schedule, saa, smart, index = run
 
@@ -71,19 +73,58 @@ def _run(state, jobs):
         return index, edit
 
     layers = run_on_layouts(state, jobs, RUNS, setup)
-    return [(layer, _partitioned(state, layout)) for layer, layout in zip(layers, jobs)]
+    return [(layer, _partitioned(state, layout), _calibrated_budget(state, layout, cache))
+            for layer, layout in zip(layers, jobs)]
+
+
+def _stub_points(state, *args, **kwargs):
+    """Start-up calibration's timings, stubbed: every collective 1 ns at any size (so any dW
+    covers an all-to-all's estimate), the experts 1e-10 s per FLOP."""
+    groups = {"mp_allgather": state.tp, "ep_esp_alltoall": state.ep_esp, "saa": state.ep_esp, "p2p": state.ep,
+              "broadcast": state.ep}
+    points = {op: ([1e3, 1e6], [1e-9, 1e-9]) if group.size > 1 else ([], []) for op, group in groups.items()}
+    return {**points, "expert_compute": ([1e6, 1e9], [1e-4, 1e-1])}
+
+
+def _calibrated_budget(state, layout, cache):
+    """`defer_wgrad` without `perf.hardware_profile`, built as a library user does (GPTMoEModel):
+    start-up calibration (timings stubbed) gives Alg. 1 a finite all-to-all budget. -> (the
+    scheduler's all-to-all estimate, dW run by each backward fill, dW time left for the end)."""
+    from megatron_moe.model.gpt import GPTMoEModel
+    from megatron_moe.perf import calibrate
+
+    sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout), state.rank)
+    cfg = _model_config(layout, ["moe.lancet.defer_wgrad=true", f"perf.calibration_cache={cache}"])
+    measure, calibrate.measure_points = calibrate.measure_points, _stub_points
+    try:
+        model = GPTMoEModel(cfg, sub)
+    finally:
+        calibrate.measure_points = measure
+    scheduler = next(m.wgrad for m in model.modules() if getattr(m, "wgrad", None) is not None)
+    fill, counts = scheduler.fill, []
+
+    def counting(elements):
+        before = len(scheduler.pending)
+        fill(elements)
+        counts.append(before - len(scheduler.pending))
+
+    scheduler.fill = counting
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(sub.dp.rank))
+    out = model(tokens, tokens)
+    (out.lm_loss + out.aux_loss).backward()
+    return scheduler.alltoall, counts, scheduler.drained_seconds
 
 
 @pytest.fixture(scope="module")
-def spawned():
-    return per_world_spawner(LAYOUTS, _run)
+def spawned(tmp_path_factory):
+    return per_world_spawner(LAYOUTS, _run, args=(str(tmp_path_factory.mktemp("calibration")),))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
 def test_deferred_wgrad_equals_reference(world, layout_kwargs, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = [layer for layer, _ in spawned(world)[str(layout_kwargs)]]
+    outputs = [layer for layer, _, _ in spawned(world)[str(layout_kwargs)]]
     for i, (schedule, saa, smart, index) in enumerate(RUNS):
         check_against_reference([out[i][0] for out in outputs], index, layout,
                                 f"defer_wgrad {schedule} saa={saa} smart={smart}")
@@ -91,9 +132,21 @@ def test_deferred_wgrad_equals_reference(world, layout_kwargs, spawned):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
+def test_deferred_wgrad_without_a_profile_has_a_finite_budget(world, layout_kwargs, spawned):
+    """Review issue #27 item 4: without a profile, start-up calibration is asked for the all-to-all
+    estimate, so the dW spread over the backward all-to-alls by Alg. 1's budget (here each covers
+    one dW) instead of all going into the first one."""
+    for rank, (_, _, (alltoall, counts, drained)) in enumerate(spawned(world)[str(layout_kwargs)]):
+        assert alltoall is not None and alltoall.time(1e6) == pytest.approx(1e-9, rel=1e-3), rank
+        assert counts and max(counts) == 1 and counts.count(1) >= 2, (rank, counts)
+        assert drained > 0, rank  # the rest ran when backward ended
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
 def test_partitioned_forward_equals_unpartitioned_single_process(world, layout_kwargs, spawned):
     runs = [run for run in PARTITION_RUNS if LAYOUTS[run[0]][1] == layout_kwargs]
-    per_rank = [model for _, model in spawned(world)[str(layout_kwargs)]]  # [rank][run]
+    per_rank = [model for _, model, _ in spawned(world)[str(layout_kwargs)]]  # [rank][run]
     references = {}
     for i, run in enumerate(runs):
         capacity = run[4]

@@ -60,6 +60,35 @@ def test_data_config_rules(tmp_path):
         assert needle in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
 
 
+def test_data_path_takes_megatrons_data_path_forms(tmp_path):
+    """`data.path` as Megatron-LM's `--data-path` takes it (review issue #27 item 5): one prefix
+    (the string itself), prefixes, "w1 p1 w2 p2"; as a string or a list, read alike; anything else
+    a one-line error naming data.path and the forms."""
+    a, b = _byte_prefix(tmp_path, "a"), _byte_prefix(tmp_path, "b", docs=20)
+    base = ["data.tokenizer.type=ByteTokenizer", "model.vocab_size=261", "model.seq_length=16", "data.split=90,10,0",
+            "training.train_iters=5", "training.global_batch_size=4", "training.eval_iters=2",
+            f"data.cache_dir={tmp_path}"]
+
+    def samples(path):
+        cfg = load_config(None, base + [f"data.path={path}"])
+        assert validate_data_config(cfg) == 261
+        train, _ = build_gpt_datasets_from_config(cfg)
+        return [train[i]["tokens"].tolist() for i in range(20)]
+
+    one = samples(f"[{a}]")
+    assert samples(a) == one  # data.path=/my/corpus_text_document
+    assert samples(f"{a} {b}") == samples(f"[{a},{b}]") != one  # two prefixes, blended by their tokens
+    weighted = samples(f"[0.3,{a},0.7,{b}]")
+    assert samples(f"0.3 {a} 0.7 {b}") == samples(f"['0.3',{a},'0.7',{b}]") == weighted
+    assert weighted != samples(f"[0.7,{a},0.3,{b}]")  # the weights are read as weights
+    for path, needle in [("{x: 1}", "data.path={'x': 1} must be a prefix, a list of prefixes, or weight/prefix pairs"),
+                         ("3", "data.path=3 must be"), (f"[[{a}]]", "must be a prefix"),
+                         (f"0.3 {a} {b}", "expected weight, prefix pairs"), ("''", "is empty")]:
+        with pytest.raises(ConfigError) as e:
+            validate_data_config(load_config(None, base + [f"data.path={path}"]))
+        assert needle in str(e.value) and "\n" not in str(e.value), (path, str(e.value))
+
+
 def test_unknown_tokenizer_type_lists_registered_types():
     from megatron_moe.config import validate_config
 

@@ -10,12 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config import ConfigError, load_config, validate_config
+from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad
 from megatron_moe.moe.lancet import WGradScheduler, deferred_linear
+from megatron_moe.moe.lancet_partition import ForwardPartitioner
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
                                                 pipeline_time, segment_time)
+from tests.lancet_times import measure_injected
 from tests.tiny_model import assert_same_steps, tiny_model_steps
+
+NO_A2A = AlphaBeta(0.0, 0.0)  # an all-to-all estimate of 0 s: `fill` runs nothing, backward's end everything
 
 
 def test_deferred_linear_matches_autograd_and_defers_until_backward_ends():
@@ -24,7 +29,7 @@ def test_deferred_linear_matches_autograd_and_defers_until_backward_ends():
     weight = torch.nn.Parameter(torch.randn(2, 4, 5, generator=gen))  # viewed [8, 5], as SwiGLU's fc1
     bias = torch.nn.Parameter(torch.randn(2, 4, generator=gen))
     upstream = torch.randn(2, 3, 8, generator=gen)
-    scheduler = WGradScheduler()
+    scheduler = WGradScheduler(NO_A2A)
     seen = []
     y = deferred_linear(x, weight, bias, scheduler)
     z = y * upstream
@@ -46,7 +51,7 @@ def test_deferred_grouped_mm_matches_autograd_with_rows_and_scale(index):
     x = torch.randn(sum(counts), 4, generator=gen, requires_grad=True)
     upstream = torch.randn(sum(counts), 6, generator=gen)
     rows = torch.tensor(index) if index else None
-    scheduler, seen = WGradScheduler(), []
+    scheduler, seen = WGradScheduler(NO_A2A), []
     y = grouped_mm_into_grad(x, leaf, rows, 0.5, counts, scheduler)
     z = y * upstream
     z.register_hook(lambda g: seen.append(leaf.grad))  # during backward, before the dW ran
@@ -65,11 +70,11 @@ def test_deferred_grouped_mm_matches_autograd_with_rows_and_scale(index):
 
 def test_fill_is_algorithm_1_greedy():
     """t_u = 10 (alpha-beta on the all-to-all's elements); queued dW of estimated 3, 9, 4, 20
-    (FLOPs x 1 s/FLOP): best match to 10 is 9 (t_u 1), then 3 (|1 - 3| beats 4 and 20; t_u -2):
-    covered. The others run when backward ends."""
-    scheduler = WGradScheduler(seconds_per_flop=1.0, alltoall=AlphaBeta(alpha=0.0, beta=1.0))
+    (FLOPs x 1 s/FLOP), each for its own parameter: best match to 10 is 9 (t_u 1), then 3
+    (|1 - 3| beats 4 and 20; t_u -2): covered. The others run when backward ends."""
+    scheduler = WGradScheduler(AlphaBeta(alpha=0.0, beta=1.0), seconds_per_flop=1.0)
     ran = []
-    scheduler.pending = [(flops, (lambda f=flops: ran.append(f))) for flops in (3.0, 9.0, 4.0, 20.0)]
+    scheduler.pending = [(flops, (lambda f=flops: ran.append(f)), (i,)) for i, flops in enumerate((3.0, 9.0, 4.0, 20.0))]
     scheduler._run = lambda flops, work: (work(), 0.0)[1]  # keep the estimates fixed (no timing)
     scheduler.fill(10)
     assert ran == [9.0, 3.0]
@@ -77,17 +82,68 @@ def test_fill_is_algorithm_1_greedy():
     assert ran == [9.0, 3.0, 4.0, 20.0] and not scheduler.pending
 
 
-def test_fill_without_a_profile_runs_everything_queued():
-    scheduler = WGradScheduler()
+def test_fill_keeps_each_parameters_dw_in_queue_order():
+    """Queued: a1 (20 s, parameter a), a2 (9 s, a), b (3 s, b); t_u = 10. The unconstrained greedy
+    would run a2 (9) first, adding a's dW into `.grad` out of order, an order that then depends on
+    the measured times. a2 is not ready while a1 waits: b (|10 - 3| < |10 - 20|), then a1."""
+    scheduler = WGradScheduler(AlphaBeta(alpha=0.0, beta=1.0), seconds_per_flop=1.0)
     ran = []
-    scheduler.pending = [(1.0, lambda: ran.append(1)), (1e12, lambda: ran.append(2))]
-    scheduler.fill(1)
-    assert ran == [1, 2]
+    scheduler.pending = [(20.0, lambda: ran.append("a1"), (1,)), (9.0, lambda: ran.append("a2"), (1,)),
+                         (3.0, lambda: ran.append("b"), (2,))]
+    scheduler._run = lambda flops, work: (work(), 0.0)[1]
+    scheduler.fill(10)
+    assert ran == ["b", "a1"]
+    scheduler.drain()
+    assert ran == ["b", "a1", "a2"]
+
+
+def test_gradients_do_not_depend_on_the_measured_times(one_thread):
+    """Two weights used by 4 batch parts (Lancet's partitions): 8 deferred dW, 4 per weight, whose
+    magnitudes span 1e-3..1e3 so that the order of the float additions into `.grad` shows. An
+    all-to-all fills before each part's backward, with injected seconds-per-FLOP and all-to-all
+    times that change which dW it runs; every run's gradients are bitwise those of the first."""
+    import random
+
+    gen = torch.Generator().manual_seed(5)
+    w1, w2 = torch.nn.Parameter(torch.randn(24, 16, generator=gen)), torch.nn.Parameter(torch.randn(8, 24, generator=gen))
+    # parts of different sizes (as the experts' rows per part): equal estimates would tie, and
+    # ties go in queue order
+    xs = [torch.randn(rows, 16, generator=gen) * 10.0 ** e for rows, e in ((32, -3), (20, 3), (45, 0), (8, 1))]
+    ups = [torch.randn(x.shape[0], 8, generator=gen) for x in xs]
+
+    def run(seed):
+        rng, fills = random.Random(seed), []
+        scheduler = WGradScheduler(NO_A2A)
+        w1.grad = w2.grad = None
+
+        def fill(_grad):  # an all-to-all in flight, as timed under some load
+            scheduler.seconds_per_flop = 10.0 ** rng.uniform(-12, -8)
+            scheduler.alltoall = AlphaBeta(0.0, 10.0 ** rng.uniform(-12, -7))
+            before = [work for _, work, _ in scheduler.pending]
+            scheduler.fill(1000)
+            fills.append(tuple(before.index(work) for work in before if work not in
+                               [w for _, w, _ in scheduler.pending]))
+
+        loss = 0.0
+        for x, up in zip(xs, ups):
+            y = deferred_linear(deferred_linear(x, w1, None, scheduler), w2, None, scheduler)
+            y.register_hook(fill)
+            loss = loss + (y * up).sum()
+        loss.backward()
+        return w1.grad.clone(), w2.grad.clone(), fills
+
+    first = run(0)
+    schedules = {tuple(first[2])}
+    for seed in range(1, 8):
+        g1, g2, fills = run(seed)
+        schedules.add(tuple(fills))
+        assert torch.equal(g1, first[0]) and torch.equal(g2, first[1]), seed
+    assert len(schedules) > 2  # the injected times did move dW between all-to-alls
 
 
 def test_seconds_per_flop_is_measured():
-    scheduler = WGradScheduler(seconds_per_flop=1.0)
-    scheduler.pending = [(1e9, lambda: None)]
+    scheduler = WGradScheduler(NO_A2A, seconds_per_flop=1.0)
+    scheduler.pending = [(1e9, lambda: None, (0,))]
     scheduler.drain()
     assert scheduler.seconds_per_flop < 0.8  # moved toward the (tiny) measured time
 
@@ -162,14 +218,48 @@ def test_fixed_partition_ranges_do_not_overlap():
     assert [(s.start, s.end, s.moe) for s in fixed_partitioning(is_moe, 4, 2)] == [(1, 6, 3), (6, 8, 7)]
 
 
+@pytest.fixture
+def planned(monkeypatch):
+    """Inject op times into `auto` (tests/lancet_times.py) and record every plan it makes."""
+    plans = []
+    plan = ForwardPartitioner.plan
+
+    def recording(self, *args):
+        plans.append(plan(self, *args))
+        return plans[-1]
+
+    monkeypatch.setattr(ForwardPartitioner, "measure", measure_injected)
+    monkeypatch.setattr(ForwardPartitioner, "plan", recording)
+    return plans
+
+
 @pytest.mark.parametrize("bert", [False, True], ids=["gpt", "bert"])
-def test_partitioned_forward_is_exact_with_dropout_and_drops(bert):
+def test_partitioned_forward_is_exact_with_dropout_and_drops(bert, planned, one_thread):
     plain = tiny_model_steps([], bert)
     assert sum(plain[0].dropped) > 0
     for parts, reach, defer in [(2, "1", False), (4, "0", True), (3, "3", False), (4, "auto", False)]:
         got = tiny_model_steps([f"moe.lancet.partitions={parts}", f"moe.lancet.partition_range={reach}",
                                 f"moe.lancet.defer_wgrad={str(defer).lower()}"], bert)
         assert_same_steps(got, plain, f"partitions={parts} range={reach} defer_wgrad={defer}")
+    # auto (injected times) partitioned each layer's [attention, MoE FFN] into 4 parts: not plain vs plain
+    assert [[(s.start, s.end, s.parts) for s in segments] for segments in planned] == [[(0, 2, 4), (2, 4, 4)]]
+
+
+@pytest.mark.parametrize("max_range,segments", [(None, [(0, 2), (2, 4)]), (1, []), (3, [(0, 3)]), (10, [(0, 3)])])
+def test_max_range_bounds_the_auto_search(max_range, segments, planned, one_thread):
+    """§5.1's iota reaches the dynamic program: by default 2 x layer_freq = 2 sublayers (one
+    pipeline per MoE layer), 1 = the MoE FFN alone (no overlap: nothing pays), 3 and more lets
+    [attention 0, MoE 0, attention 1] form one pipeline, the best unbounded pick."""
+    from megatron_moe.model.gpt import GPTMoEModel
+
+    overrides = ["model.seq_length=12", "training.micro_batch_size=4", "moe.lancet.partitions=4"]
+    cfg = load_config("configs/gpt_moe_tiny.yaml", overrides + ([f"moe.lancet.max_range={max_range}"]
+                                                                if max_range is not None else []))
+    validate_config(cfg, 1)
+    model = GPTMoEModel(cfg, ParallelState.single_process())
+    model(torch.zeros(4, 12, dtype=torch.long), torch.zeros(4, 12, dtype=torch.long))
+    assert model.partitioners[0].max_range == (max_range or 2)
+    assert [(s.start, s.end) for s in planned[0]] == segments
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -177,6 +267,9 @@ def test_partitioned_forward_is_exact_with_dropout_and_drops(bert):
     (["moe.lancet.partitions=0"], "partitions=0 must be >= 1"),
     (["moe.lancet.partitions=2", "moe.lancet.partition_range=all"], "partition_range='all' must be auto"),
     (["moe.lancet.partitions=2", "moe.gate=topology"], "moe.lancet.partitions>1 and moe.gate=topology"),
+    (["moe.lancet.partitions=2", "moe.lancet.max_range=0"], "max_range=0 must be >= 1"),
+    (["moe.lancet.partitions=2", "moe.lancet.partition_range=1", "moe.lancet.max_range=2"],
+     "max_range=2 .* needs moe.lancet.partition_range=auto"),
 ])
 def test_partition_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):

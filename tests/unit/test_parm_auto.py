@@ -209,8 +209,12 @@ def test_shipped_profiles():
 def test_config_rules(tmp_path):
     profile = str(TESTBEDS[0])
     validate_config(load_config(None, ["moe.schedule=auto", f"perf.hardware_profile={profile}", "moe.saa=true"]), 1)
-    validate_config(load_config(None, ["moe.schedule=s2", "moe.saa=true"]), 1)
+    validate_config(load_config(None, ["moe.schedule=s2", "moe.saa=true", "parallel.tensor=2"]), 2)
     validate_config(load_config(None, ["moe.schedule=auto"]), 1)  # no profile: calibrated at start-up
+    # S2 + SAA without an MP group: no MP-AllGather to overlap, N_EP blocking phases would be pure overhead
+    with pytest.raises(ConfigError, match="^moe.saa=true with moe.schedule=s2 needs parallel.tensor > 1"):
+        validate_config(load_config(None, ["moe.schedule=s2", "moe.saa=true", "parallel.expert=2"]), 2)
+    validate_config(load_config(None, ["moe.schedule=auto", "moe.saa=true", "parallel.expert=2"]), 2)  # S1 picked
     for overrides, message in [(["moe.schedule=baseline", "moe.saa=true"], "needs moe.schedule s2 or auto"),
                                (["moe.schedule=s1", "moe.saa=true"], "moe.saa"),
                                (["moe.balancer=fastermoe", f"perf.hardware_profile={profile}"],
@@ -276,3 +280,29 @@ def test_auto_chooses_from_the_balancers_placement(tmp_path):
         assert routed.chosen.choice == expected, rows
         assert [c[1] for c in balancer.calls] == [[0, 1], [0, 1]]  # sources = ep_esp ranks -> EP ranks
         assert torch.equal(balancer.calls[0][0], counts.flip(0)) and torch.equal(balancer.calls[1][0], counts)
+
+
+def test_auto_and_the_balancers_without_a_profile(tmp_path, monkeypatch, one_thread):
+    """Library use without `perf.hardware_profile` (review issue #27 item 2): a schedule or
+    balancer built on its own says in one line what to pass; a model calibrates on its ranks as
+    the trainer does (`resolve_hardware_profile`) and runs."""
+    from megatron_moe.model.gpt import GPTMoEModel
+    from megatron_moe.moe.balancers import BALANCERS
+    from megatron_moe.moe.schedules import SCHEDULES
+
+    monkeypatch.setenv("MEGATRON_MOE_CACHE", str(tmp_path))
+    state = ParallelState.single_process()
+    cfg = load_config("configs/gpt_moe_tiny.yaml", ["moe.schedule=auto", "model.seq_length=8"])
+    builders = [("moe.schedule=auto", lambda: SCHEDULES.get("auto")(cfg, state))]
+    builders += [(f"moe.balancer={name}", lambda name=name: BALANCERS.get(name)(cfg, state))
+                 for name in ("fastermoe", "flexmoe", "proprophet")]
+    for who, build in builders:
+        with pytest.raises(ConfigError, match=f"^{who} needs perf.hardware_profile: set it, or pass the config "
+                                              "through perf.calibrate.resolve_hardware_profile") as error:
+            build()
+        assert "\n" not in str(error.value)
+    model = GPTMoEModel(cfg, state)
+    assert model.cfg.perf.hardware_profile.startswith(str(tmp_path / "hardware"))
+    tokens = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = model(tokens, tokens)
+    assert torch.isfinite(out.lm_loss) and [s.schedule for s in out.moe_stats] == ["s1", "s1"]  # N_MP = 1: S1

@@ -28,7 +28,7 @@ from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.fastermoe_model import ShadowCostModel
-from megatron_moe.perf.hardware import load_profile
+from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
 
 
 def rows_per_rank(counts: torch.Tensor, source_ep_ranks: Sequence[int], ep_size: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ class FasterMoE(Balancer):
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
         m, shape = cfg.model, expert_shape(cfg, state)
-        self.cost = ShadowCostModel.from_profile(load_profile(cfg.perf.hardware_profile),
+        self.cost = ShadowCostModel.from_profile(configured_profile(cfg, BALANCER_OPS, "moe.balancer=fastermoe"),
                                                  flops_per_row=shape.flops_per_row,
                                                  params_per_expert=float(shape.params(m.bias, state.esp_size)),
                                                  hidden=m.hidden_size,

@@ -27,7 +27,7 @@ from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.flexmoe_plan import Expand, FlexCostModel, Migrate, Shrink, apply_ops, schedule
 from megatron_moe.moe.balancers.vexpert_base import SlotBalancer
 from megatron_moe.perf.calibrate import expert_shape
-from megatron_moe.perf.hardware import BALANCER_OPS, load_profile
+from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
 
 _KIND = {Expand: "expand", Shrink: "shrink", Migrate: "migrate"}
 
@@ -46,8 +46,7 @@ class FlexMoE(SlotBalancer):
         fm = cfg.moe.flexmoe
         super().__init__(cfg, state, flexmoe_slots_per_rank(cfg, state.ep_size), fm.interval)
         self.threshold = fm.threshold
-        profile = load_profile(cfg.perf.hardware_profile)
-        profile.require(BALANCER_OPS, "moe.balancer=flexmoe")
+        profile = configured_profile(cfg, BALANCER_OPS, "moe.balancer=flexmoe")
         shape = expert_shape(cfg, state)
         params = shape.params(cfg.model.bias, state.esp_size)
         self.cost = FlexCostModel(seconds_per_token=3 * shape.flops_per_row * profile.expert_compute.beta,

@@ -46,8 +46,8 @@ from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.balancers.fastermoe import rows_per_rank
 from megatron_moe.moe.placement import Placement, owner_table
 from megatron_moe.perf.calibrate import expert_shape
-from megatron_moe.perf.hardware import load_profile
-from megatron_moe.perf.proprophet_model import ProphetCostModel
+from megatron_moe.perf.hardware import configured_profile
+from megatron_moe.perf.proprophet_model import PROPROPHET_OPS, ProphetCostModel
 
 Selection = Tuple[int, Tuple[int, ...]]  # (expert, its devices: owner first, then ascending)
 
@@ -280,9 +280,9 @@ class ProProphet(Balancer):
         self.plans_during_dispatch = self.prefetches_trans = pp.overlap  # Alg. 2
         shape = expert_shape(cfg, state)
         fnec_flops = non_moe_flops_per_token(cfg, state) * cfg.training.micro_batch_size * m.seq_length
-        self.model = ProphetCostModel.from_profile(load_profile(cfg.perf.hardware_profile), m.hidden_size,
-                                                   shape.params(m.bias, state.esp_size), shape.flops_per_row,
-                                                   fnec_flops, pp.overlap)
+        profile = configured_profile(cfg, PROPROPHET_OPS, "moe.balancer=proprophet")
+        self.model = ProphetCostModel.from_profile(profile, m.hidden_size, shape.params(m.bias, state.esp_size),
+                                                   shape.flops_per_row, fnec_flops, pp.overlap)
         self.alpha, self.bottom_k, self.min_replicas = pp.alpha, pp.bottom_k, pp.min_replicas
         micro_batches = max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * state.dp_size))
         self.plan_every = pp.plan_interval * micro_batches  # forwards between searches

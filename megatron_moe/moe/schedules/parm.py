@@ -73,7 +73,7 @@ from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
-from megatron_moe.perf.hardware import PARM_OPS, load_profile
+from megatron_moe.perf.hardware import PARM_OPS, configured_profile
 from megatron_moe.perf.parm_model import choose_schedule, dispatched_assignments
 from megatron_moe.tensor_parallel import copy_to_tp_region, reduce_from_tp_region
 
@@ -395,7 +395,7 @@ class Auto(ParmSchedule):
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
-        self.profile = load_profile(cfg.perf.hardware_profile).require(PARM_OPS, "moe.schedule=auto")
+        self.profile = configured_profile(cfg, PARM_OPS, "moe.schedule=auto")
         # a TP group spanning several ep_esp groups must max-reduce the estimates (validate.py
         # refuses layouts where neither of tensor and expert * expert_shard divides the other)
         self.reduce_over_tp = state.tp_size > state.ep_esp.size
