@@ -21,19 +21,22 @@ launch so they run while it is in flight. Here autograd is the graph and the pas
 
 Times (Alg. 1's GetInstrExecTime): a dW's is its FLOPs x the seconds per FLOP measured on the dW
 work already run (an exponential moving average, seeded by the hardware profile's
-`expert_compute.beta` when there is one); an all-to-all's comes from the profile's
+`expert_compute.beta` when there is one; each dW is timed on its device by `perf/timing.py`,
+CUDA events that enter the average once they have fired, so backward never waits for the GPU to
+learn a time); an all-to-all's comes from the profile's
 `ep_esp_alltoall` alpha-beta on its elements. Without a profile the all-to-all time is unknown
 and every queued dW runs in the first all-to-all that comes (the greedy's limit case).
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
+from megatron_moe.perf.timing import Duration
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
 
@@ -46,8 +49,10 @@ class WGradScheduler:
         self.alltoall = alltoall
         self.pending: List[Tuple[float, Callable[[], None]]] = []  # (FLOPs, closure)
         self._callback_queued = False
-        self.overlapped_seconds = 0.0  # dW time run inside all-to-alls (since `reset_counters`)
-        self.drained_seconds = 0.0  # dW time run at the end of backward
+        self.overlapped_seconds = Duration()  # dW time run inside all-to-alls (`float()` reads it)
+        self.drained_seconds = Duration()  # dW time run at the end of backward
+        self.anchor: Optional[torch.Tensor] = None  # a parameter of the model (`attach`): the dW's device
+        self._measured: List[Tuple[float, Duration]] = []  # (FLOPs, time) not yet in the average
 
     def defer(self, flops: float, work: Callable[[], None]) -> None:
         """Queue one dW computation (called from a backward function)."""
@@ -73,13 +78,15 @@ class WGradScheduler:
             self.drained_seconds += self._run(flops, work)
         self._callback_queued = False
 
-    def _run(self, flops: float, work: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        work()
-        seconds = time.perf_counter() - start
+    def _run(self, flops: float, work: Callable[[], None]) -> Duration:
+        with timing.span(self.anchor.device if self.anchor is not None else None) as span:
+            work()
         if flops > 0:
-            self.seconds_per_flop += _SMOOTHING * (seconds / flops - self.seconds_per_flop)
-        return seconds
+            self._measured.append((flops, span.duration))
+        while self._measured and self._measured[0][1].ready():  # CPU: this one; CUDA: those that have run
+            flops, duration = self._measured.pop(0)
+            self.seconds_per_flop += _SMOOTHING * (float(duration) / flops - self.seconds_per_flop)
+        return span.duration
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
@@ -131,6 +138,7 @@ def attach(model: torch.nn.Module, scheduler: WGradScheduler) -> None:
     from megatron_moe.moe.schedules.base import Schedule
     from megatron_moe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    scheduler.anchor = next(model.parameters(), None)  # moves with `model.to(device)`
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, Experts)):
             module.wgrad = scheduler
