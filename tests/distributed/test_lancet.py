@@ -6,13 +6,15 @@
 2. The partitioned forward (moe/lancet_partition.py, `moe.lancet.partitions` 2 and 4, with and
    without `defer_wgrad`), on the whole GPT-MoE model through the trainer: loss, aux loss, grad
    norm and every synced gradient equal one process running the unpartitioned model.
+
+On gloo, and on NCCL with a GPU per rank (`make test-gpu`; the reference stays one CPU process).
 """
 import pytest
 import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from tests.distributed.harness import per_world_spawner
+from tests.distributed.harness import BACKENDS, per_world_spawner
 from tests.distributed.moe_cases import check_against_reference, run_on_layouts
 from tests.distributed.test_grads import _model_config, _trainer_grads
 from tests.distributed.test_moe_parm import TESTBED_B
@@ -80,20 +82,22 @@ def spawned():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
-def test_deferred_wgrad_equals_reference(world, layout_kwargs, spawned):
+def test_deferred_wgrad_equals_reference(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = [layer for layer, _ in spawned(world)[str(layout_kwargs)]]
+    outputs = [layer for layer, _ in spawned(world, backend)[str(layout_kwargs)]]
     for i, (schedule, saa, smart, index) in enumerate(RUNS):
         check_against_reference([out[i][0] for out in outputs], index, layout,
                                 f"defer_wgrad {schedule} saa={saa} smart={smart}")
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
-def test_partitioned_forward_equals_unpartitioned_single_process(world, layout_kwargs, spawned):
+def test_partitioned_forward_equals_unpartitioned_single_process(world, layout_kwargs, backend, spawned):
     runs = [run for run in PARTITION_RUNS if LAYOUTS[run[0]][1] == layout_kwargs]
-    per_rank = [model for _, model in spawned(world)[str(layout_kwargs)]]  # [rank][run]
+    per_rank = [model for _, model in spawned(world, backend)[str(layout_kwargs)]]  # [rank][run]
     references = {}
     for i, run in enumerate(runs):
         capacity = run[4]
