@@ -2,7 +2,9 @@
 schedule it composes with, with and without replicas, dropless and with capacity drops.
 
 The pairwise steps replace each schedule's all-to-all pair: no all-to-all bytes remain, and the
-rows a rank sends point to point are the plain all-to-all's rows minus those it keeps.
+rows a rank sends point to point are the plain all-to-all's rows minus those it keeps. That the
+steps are pipelined (a sequential exchange would pass here) and that evaluation builds no graphs:
+tests/distributed/test_overlap_order.py.
 """
 import pytest
 
