@@ -210,7 +210,7 @@ class Trainer:
     def train_step(self, iteration: int) -> Record:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""
         collectives.COMM_STATS.reset()
-        step = timing.Stopwatch(self.device)  # the step's wall time; its read synchronizes, once
+        step = timing.Stopwatch(self.device)  # wall time: synchronizes here (idle after the last step) and when read
         lr = self.lr_schedule(self.cfg.optimizer, iteration, self.cfg.training.train_iters)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
