@@ -6,7 +6,7 @@ else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-gpu clean
 
 setup: .setup-stamp
 
@@ -20,8 +20,14 @@ setup: .setup-stamp
 demo: setup
 	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo
 
+# the CPU suite (gloo processes), on the CPU even on a GPU node; the gpu-marked tests are left to test-gpu
 test: setup
-	$(PY) -m pytest -q tests
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu" tests
+
+# on a GPU node (a CUDA build of torch): the same exactness checks on NCCL with one process per GPU,
+# bf16, a benchmark smoke run (README, "On a GPU node"); skipped, with the reason, without GPUs
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu -rs tests
 
 clean:
 	rm -rf .setup-stamp runs .pytest_cache

@@ -22,11 +22,11 @@ norm of the difference < 1e-5).
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from megatron_moe.moe import grouped_gemm as gg
+from megatron_moe.perf import timing
 
 KERNELS = {  # (_PAD_MAX_ROWS_PER_GROUP, _PAD_MAX_BLOWUP, _NATIVE_TEMP_MAX_ELEMENTS) forcing each CPU dW kernel
     "padded": (1 << 30, 1 << 30, 0),
@@ -86,10 +86,10 @@ def main(argv=None) -> int:
         times, grads = {r: [] for r in rows}, {}
         for rep in range(args.reps + 1):  # the first repetition warms up
             for r in rows:
-                start = time.perf_counter()
-                run_row(r, leaf, xs, dys, counts.tolist(), offsets)
+                with timing.wall(leaf.device) as took:
+                    run_row(r, leaf, xs, dys, counts.tolist(), offsets)
                 if rep:
-                    times[r].append((time.perf_counter() - start) * 1e3)
+                    times[r].append(took.seconds * 1e3)
                 grads[r] = leaf.grad.clone()
         for r in rows:  # the same sums in another order: float rounding only
             error = float((grads[r] - grads["autograd"]).norm() / grads["autograd"].norm())

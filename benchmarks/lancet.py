@@ -79,9 +79,9 @@ def main(argv=None) -> int:
         out = model(tokens, labels=tokens)
         with C.backward_phase():
             (out.lm_loss + out.aux_loss).backward()
-        comm[name].append(C.COMM_STATS.seconds_by_phase(A2A_KINDS))
+        comm[name].append(C.COMM_STATS.seconds_by_phase(A2A_KINDS, resolve=False))  # read after the step
         if scheduler is not None:
-            wgrad[name]["overlapped"].append(scheduler.overlapped_seconds)
+            wgrad[name]["overlapped"].append(scheduler.overlapped_seconds)  # Durations: read after the step
             wgrad[name]["drained"].append(scheduler.drained_seconds)
 
     for rep in range(args.warmup + args.reps):
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     diff = float(C.all_reduce(torch.tensor([diff], dtype=torch.float64), state.world, op="max"))
 
     def median_ms(values):
-        return round(statistics.median(values[args.warmup:] or values) * 1e3, 3)
+        return round(statistics.median(float(v) for v in values[args.warmup:] or values) * 1e3, 3)
 
     results = {}
     for name in models:

@@ -327,7 +327,7 @@ def main(argv=None) -> int:
         for each in layer.layers:  # vExperts (flexmoe, eplb): the slots of an expert sum their gradients
             each.balancer.before_grad_sync()
         bytes_[name], inter_node[name] = C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)
-        comm_times[name].append(C.COMM_STATS.seconds_by_kind())
+        comm_times[name].append(C.COMM_STATS.seconds_by_kind(resolve=False))  # read after the timed step
         picked[name], replicas[name] = layer.last_stats.schedule, layer.last_stats.replicas
         loads[name] = layer.last_stats.tokens_per_ep_rank
         outputs.setdefault(name, (y.detach(), inp.grad))
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
             results[name] = {"ms_median": round(medians[name], 3), "max_abs_diff_vs_baseline": diff,
                              "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3)}
             continue
-        timed = comm_times[name][args.warmup:] or comm_times[name]
+        timed = [C.resolved(t) for t in comm_times[name][args.warmup:] or comm_times[name]]
         load = C.all_reduce(loads[name].double(), state.edp)  # [ep] rows per EP rank, all ep_esp groups
         results[name] = {
             "ms_median": round(medians[name], 3), "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3),

@@ -21,13 +21,13 @@ rows per device (top-k included). Prints one JSON object.
 import argparse
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
 
 from megatron_moe.moe.balancers.proprophet import (Loads, greedy_search, lightweight_placement, predicted_time,
                                                    ratios_to_optimum)
+from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import ExpertShape
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.perf.proprophet_model import ProphetCostModel
@@ -61,13 +61,13 @@ def speed(args, model: ProphetCostModel, experts: int, devices: int) -> dict:
     search_s, place_s, before, after, ratio_before, ratio_after, replicas = [], [], [], [], [], [], []
     for _ in range(args.reps):
         T = zipf_rows(rng, experts, devices, args.tokens, args.skew)
-        start = time.perf_counter()
-        chosen = greedy_search(T, model, args.alpha)
-        search_s.append(time.perf_counter() - start)
+        with timing.wall() as searched:  # host work
+            chosen = greedy_search(T, model, args.alpha)
+        search_s.append(searched.seconds)
         counts = torch.from_numpy(T)  # one source per device
-        start = time.perf_counter()
-        lightweight_placement(counts, list(range(devices)), devices, chosen)
-        place_s.append(time.perf_counter() - start)
+        with timing.wall() as placed:
+            lightweight_placement(counts, list(range(devices)), devices, chosen)
+        place_s.append(placed.seconds)
         before.append(predicted_time(T, model, []))
         after.append(predicted_time(T, model, chosen))
         ratio_before.append(balance(T, []))

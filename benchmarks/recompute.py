@@ -18,7 +18,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 LEVELS = ("none", "selective", "full")
 SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.num_attention_heads=4",
@@ -45,6 +44,7 @@ def run_level(args) -> dict:
     from megatron_moe.config import load_config, validate_config
     from megatron_moe.distributed.parallel_state import ParallelState
     from megatron_moe.model.gpt import GPTMoEModel
+    from megatron_moe.perf import timing
 
     torch.set_num_threads(1)
     cfg = load_config(args.config, SHAPE + list(args.overrides) + [f"training.recompute={args.level}"])
@@ -57,10 +57,10 @@ def run_level(args) -> dict:
     times, first = [], None
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        out = model(tokens, labels=tokens)
-        (out.lm_loss + out.aux_loss).backward()
-        times.append((time.perf_counter() - start) * 1e3)
+        with timing.wall(tokens.device) as took:
+            out = model(tokens, labels=tokens)
+            (out.lm_loss + out.aux_loss).backward()
+        times.append(took.seconds * 1e3)
         if first is None:
             norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
             first = (float(out.lm_loss.detach()), float(norm))

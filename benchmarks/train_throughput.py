@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -34,6 +33,7 @@ from megatron_moe.convert.hf_mixtral import hf_config, to_hf, write_hf_dir
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.perf import timing
 from megatron_moe.training.optimizer import build_optimizer
 
 SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.num_attention_heads=4",
@@ -106,14 +106,14 @@ def matmul_floor_ms(cfg, rows_per_expert, reps: int = 3) -> float:
             if rows == 0:
                 continue
             x, w, dy = torch.randn(rows, k), torch.randn(k, cols), torch.randn(rows, cols)
-            start = time.perf_counter()
-            x @ w, dy @ w.t(), x.t() @ dy  # forward, dX, dW
-            run.seconds += time.perf_counter() - start
+            with timing.wall(x.device) as took:
+                x @ w, dy @ w.t(), x.t() @ dy  # forward, dX, dW
+            run.seconds += took.seconds
         for g, rows, k, cols in batched:
             x, w, dy = torch.randn(g, rows, k), torch.randn(g, k, cols), torch.randn(g, rows, cols)
-            start = time.perf_counter()
-            torch.bmm(x, w), torch.bmm(dy, w.transpose(1, 2)), torch.bmm(x.transpose(1, 2), dy)
-            run.seconds += time.perf_counter() - start
+            with timing.wall(x.device) as took:
+                torch.bmm(x, w), torch.bmm(dy, w.transpose(1, 2)), torch.bmm(x.transpose(1, 2), dy)
+            run.seconds += took.seconds
 
     times = []
     for _ in range(reps + 1):
@@ -142,9 +142,9 @@ def main(argv=None) -> int:
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(args.seed))
     tokens, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     first = {"ours": step_ours(ours, ours_opt, tokens, labels), "hf": step_hf(hf, hf_opt, tokens, labels)}
-    start = time.perf_counter()
-    first["ours_compiled"] = step_ours(compiled, compiled_opt, tokens, labels)
-    compile_seconds = time.perf_counter() - start
+    with timing.wall(tokens.device) as compiling:
+        first["ours_compiled"] = step_ours(compiled, compiled_opt, tokens, labels)
+    compile_seconds = compiling.seconds
     rows_per_expert = [int(r) for r in sum(st.tokens_per_expert for st in
                                            (layer.ffn.last_stats for layer in ours.layers)) // cfg.model.num_layers]
     sides = {"ours": (ours, ours_opt, step_ours), "ours_compiled": (compiled, compiled_opt, step_ours),
@@ -152,10 +152,10 @@ def main(argv=None) -> int:
     times = {side: [] for side in sides}
     for i in range(args.warmup + args.steps):
         for side, (model, opt, step) in sides.items():
-            start = time.perf_counter()
-            step(model, opt, tokens, labels)
+            with timing.wall(tokens.device) as took:
+                step(model, opt, tokens, labels)
             if i >= args.warmup:
-                times[side].append(time.perf_counter() - start)
+                times[side].append(took.seconds)
         print(f"step {i + 1}/{args.warmup + args.steps}", file=sys.stderr, flush=True)
     ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
     floor = matmul_floor_ms(cfg, rows_per_expert)

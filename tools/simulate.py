@@ -24,11 +24,11 @@ import json
 import re
 import sys
 import tempfile
-import time
 
 import torch
 
 from megatron_moe.config import ConfigError
+from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.sim.report import candidate_options, plot, summarize, write_json
 from megatron_moe.sim.runner import simulate
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for i, option in enumerate(options):
             name = option_name(option)
-            start = time.perf_counter()
+            watch = timing.Stopwatch()  # host work: the simulator
             try:
                 runs[name] = simulate(args.config, list(args.overrides) + option, profile, args.gpus, args.trace,
                                       args.iterations, workdir, args.seed)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                 if s["pipeline_bubble_ideal"] else ""
             print(f"[{i + 1}/{len(options)}] {name}: {s['iteration_ms']['mean']:.2f} ms/iteration, MoE layers "
                   f"{sum(s['moe_layer_ms']):.2f} ms, balance {max(s['balance_ratio'], default=1):.2f}{bubble} "
-                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+                  f"({watch.seconds():.1f} s)", flush=True)
     if not runs:
         print(f"simulate.py: no option could run: {skipped}", file=sys.stderr)
         return 2

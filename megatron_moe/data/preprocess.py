@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 from megatron_moe.data import indexed
 from megatron_moe.data.tokenizers import TokenizerSpec
+from megatron_moe.perf import timing
 
 HF_FORMATS = {".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".arrow": "arrow"}
 
@@ -228,13 +229,14 @@ class Progress:
         self.enabled, self.tty = enabled, self.stream.isatty()
         self.total = max(total_units, 1)  # bytes of a jsonl file, rows of a table
         self.interval = interval if self.tty else max(interval, 5.0)
-        self.start = self.last = time.monotonic()
+        self.watch = timing.Stopwatch()  # host-only work
+        self.last = 0.0
 
     def update(self, docs: int, units: int, final: bool = False) -> None:
-        now = time.monotonic()
+        now = self.watch.seconds()
         if not self.enabled or (not final and now - self.last < self.interval):
             return
-        self.last, elapsed = now, max(now - self.start, 1e-9)
+        self.last, elapsed = now, max(now, 1e-9)
         frac = min(units / self.total, 1.0)
         eta = elapsed * (1 - frac) / frac if frac > 0 else 0.0
         bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))

@@ -15,8 +15,12 @@ Time is recorded twice per op: *total* (the op's span) and *exposed* (the time t
 blocked by it). A synchronous op's exposed time is its total. An asynchronous op
 (`all_gather_v_async`, `p2p_exchange`) returns a `Pending` handle: its bytes are counted when it
 is issued; its exposed time is the issue call plus the time blocked in `Pending.wait()`, its
-total the span from issue until `wait()` returns (an upper bound of the transfer itself: gloo
-reports no completion time). Exposed < total is communication hidden behind other work.
+total the span from issue until the op completed. Exposed < total is communication hidden behind
+other work. Every time is taken by `perf/timing.py` on the device of the op's tensors: the host
+clock for gloo's CPU tensors (completion = when `wait()` returns, an upper bound: gloo reports no
+completion time), CUDA events on the stream that runs the work for NCCL (exposed: around the
+wait on the compute stream; completion: an event on a stream that waits for the collective),
+read lazily: no op waits for the GPU to be timed, the times are read when asked for.
 
 All-to-all and point-to-point ops also count the bytes they send to ranks on other nodes
 (`RankLayout.ranks_per_node`, `parallel.ranks_per_node`) in `COMM_STATS.inter_node`.
@@ -35,7 +39,6 @@ from __future__ import annotations
 import copy
 import gc
 import math
-import time
 from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
@@ -45,22 +48,26 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe.distributed.parallel_state import Group
+from megatron_moe.perf import timing
+from megatron_moe.perf.timing import Duration
 
 
 class CommStats:
     """Bytes (all, and the part sent to other nodes), calls, total and exposed seconds per
-    "<kind>/<group>" in this process."""
+    "<kind>/<group>" in this process. Times are `timing.Duration`s, resolved when read
+    (`resolve=False` keeps them lazy: a snapshot to read after the device has caught up)."""
 
     def __init__(self):
         self.bytes: Dict[str, int] = defaultdict(int)
         self.inter_node: Dict[str, int] = defaultdict(int)  # bytes to ranks on other nodes (all-to-all, p2p)
-        self.seconds: Dict[str, float] = defaultdict(float)  # total span
-        self.exposed: Dict[str, float] = defaultdict(float)  # time the caller was blocked
+        self.seconds: Dict[str, Duration] = defaultdict(Duration)  # total span
+        self.exposed: Dict[str, Duration] = defaultdict(Duration)  # time the caller was blocked
         self.calls: Dict[str, int] = defaultdict(int)
         self.phase = "forward"  # "backward" while the trainer runs backward (set by it)
-        self.by_phase: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0.0, 0.0])  # (phase, kind): exposed, total
+        # (phase, kind): [exposed, total]
+        self.by_phase: Dict[Tuple[str, str], List[Duration]] = defaultdict(lambda: [Duration(), Duration()])
 
-    def record(self, kind: str, group: Group, nbytes: int, seconds: float, inter_node: int = 0) -> None:
+    def record(self, kind: str, group: Group, nbytes: int, seconds: Duration, inter_node: int = 0) -> None:
         """A synchronous op: `seconds` is both its total and its exposed time."""
         self.record_bytes(kind, group, nbytes, inter_node)
         self.record_time(kind, group, seconds, seconds)
@@ -72,13 +79,12 @@ class CommStats:
         if inter_node:
             self.inter_node[key] += int(inter_node)
 
-    def record_time(self, kind: str, group: Group, total: float, exposed: float) -> None:
+    def record_time(self, kind: str, group: Group, total: Duration, exposed: Duration) -> None:
         key = f"{kind}/{group.name}"
-        self.seconds[key] += total
-        self.exposed[key] += exposed
+        self.seconds[key] = self.seconds[key] + total
+        self.exposed[key] = self.exposed[key] + exposed
         entry = self.by_phase[(self.phase, kind)]
-        entry[0] += exposed
-        entry[1] += total
+        entry[0], entry[1] = entry[0] + exposed, entry[1] + total
 
     def reset(self) -> None:
         for counter in (self.bytes, self.inter_node, self.seconds, self.exposed, self.calls, self.by_phase):
@@ -91,17 +97,17 @@ class CommStats:
     def unrecorded(self):
         """Communication inside leaves every counter as it was (measurement passes, e.g. Lancet's
         op profiling, that are not part of any iteration)."""
-        saved = copy.deepcopy(self.__dict__)
+        saved = copy.deepcopy(self.__dict__)  # Durations are immutable: shared, not copied
         try:
             yield
         finally:
             self.__dict__.update(saved)
 
     def total_seconds(self) -> float:
-        return sum(self.seconds.values())
+        return float(sum(self.seconds.values(), Duration()))
 
     def exposed_seconds(self) -> float:
-        return sum(self.exposed.values())
+        return float(sum(self.exposed.values(), Duration()))
 
     def bytes_by_kind(self) -> Dict[str, int]:
         """Bytes summed over groups: {"all_to_all": ..., "all_gather": ...}."""
@@ -111,25 +117,33 @@ class CommStats:
         """The part of `bytes_by_kind` sent to ranks on other nodes (all-to-all and point to point)."""
         return _by_kind(self.inter_node)
 
-    def seconds_by_phase(self, kinds: Sequence[str]) -> Dict[str, Dict[str, float]]:
+    def seconds_by_phase(self, kinds: Sequence[str], resolve: bool = True) -> Dict[str, Dict[str, float]]:
         """{"exposed": {phase: s}, "total": {phase: s}} of the op kinds `kinds`, forward and backward."""
-        out = {"exposed": {"forward": 0.0, "backward": 0.0}, "total": {"forward": 0.0, "backward": 0.0}}
+        out = {"exposed": {"forward": Duration(), "backward": Duration()},
+               "total": {"forward": Duration(), "backward": Duration()}}
         for (phase, kind), (exposed, total) in self.by_phase.items():
             if kind in kinds:
-                out["exposed"][phase] = out["exposed"].get(phase, 0.0) + exposed
-                out["total"][phase] = out["total"].get(phase, 0.0) + total
-        return out
+                out["exposed"][phase] = out["exposed"].get(phase, Duration()) + exposed
+                out["total"][phase] = out["total"].get(phase, Duration()) + total
+        return resolved(out) if resolve else out
 
-    def seconds_by_kind(self) -> Dict[str, Dict[str, float]]:
-        """{"exposed": {kind: s}, "total": {kind: s}}, summed over groups."""
-        return {"exposed": _by_kind(self.exposed), "total": _by_kind(self.seconds)}
+    def seconds_by_kind(self, resolve: bool = True) -> Dict[str, Dict[str, float]]:
+        """{"exposed": {kind: s}, "total": {kind: s}}, summed over groups (`Duration`s if not `resolve`)."""
+        out = {"exposed": _by_kind(self.exposed), "total": _by_kind(self.seconds)}
+        return resolved(out) if resolve else out
 
 
-def _by_kind(counter: Dict[str, float]) -> Dict[str, float]:
-    out: Dict[str, float] = defaultdict(type(next(iter(counter.values()), 0)))
+def resolved(times: Dict[str, Dict[str, Duration]]) -> Dict[str, Dict[str, float]]:
+    """{part: {key: Duration}} -> the same with seconds (waits for the device where it must)."""
+    return {part: {key: float(d) for key, d in entries.items()} for part, entries in times.items()}
+
+
+def _by_kind(counter: Dict[str, object]) -> Dict[str, object]:
+    out: Dict[str, object] = {}
     for key, value in counter.items():
-        out[key.split("/")[0]] += value
-    return dict(out)
+        kind = key.split("/")[0]
+        out[kind] = out[kind] + value if kind in out else value
+    return out
 
 
 COMM_STATS = CommStats()
@@ -146,12 +160,11 @@ def backward_phase():
 
 
 class TimeSink(dict):
-    """{kind: [exposed seconds, total seconds]} of the async ops issued with it."""
+    """{kind: [exposed, total]} (`timing.Duration`s) of the async ops issued with it."""
 
-    def add(self, kind: str, exposed: float, total: float) -> None:
-        entry = self.setdefault(kind, [0.0, 0.0])
-        entry[0] += exposed
-        entry[1] += total
+    def add(self, kind: str, exposed: Duration, total: Duration) -> None:
+        entry = self.setdefault(kind, [Duration(), Duration()])
+        entry[0], entry[1] = entry[0] + exposed, entry[1] + total
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -159,10 +172,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @contextmanager
-def _timed(kind: str, group: Group, nbytes: int, inter_node: int = 0):
-    start = time.perf_counter()
-    yield
-    COMM_STATS.record(kind, group, nbytes, time.perf_counter() - start, inter_node)
+def _timed(kind: str, group: Group, nbytes: int, inter_node: int = 0, device=None):
+    """A synchronous op on tensors of `device` (None: host-blocking, e.g. object collectives)."""
+    with timing.span(device) as span:
+        yield
+    COMM_STATS.record(kind, group, nbytes, span.duration, inter_node)
 
 
 def _off_node_bytes(group: Group, per_peer: Sequence[Tuple[int, int]]) -> int:
@@ -216,7 +230,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", kind: str = "all_
     if group.size == 1:
         return t
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    with _timed(kind, group, _nbytes(t)):
+    with _timed(kind, group, _nbytes(t), device=t.device):
         dist.all_reduce(t, op=reduce_op, group=group.handle)
     return t
 
@@ -230,7 +244,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "all_gat
         return t
     t = t.contiguous()
     pieces = list(out.chunk(group.size, dim)) if out is not None else [torch.empty_like(t) for _ in range(group.size)]
-    with _timed(kind, group, _nbytes(t) * group.size):
+    with _timed(kind, group, _nbytes(t) * group.size, device=t.device):
         dist.all_gather(pieces, t, group=group.handle)
     return out if out is not None else torch.cat(pieces, dim=dim)
 
@@ -290,20 +304,20 @@ def all_gather_v(t: torch.Tensor, group: Group, sizes: Optional[List[int]] = Non
     if sizes is None:
         sizes = all_gather_sizes(t.shape[0], group, kind)
     buf, pieces = _gather_buffers(t, group, sizes)
-    with _timed(kind, group, _row_bytes(t) * sum(sizes)):
+    with _timed(kind, group, _row_bytes(t) * sum(sizes), device=t.device):
         dist.all_gather(pieces, buf, group=group.handle)
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
 
 
 class Pending:
-    """An asynchronous op in flight. `wait()` blocks until it is done, records its exposed and
-    total time (module docstring) once, and returns `result()` (None for point-to-point)."""
+    """An asynchronous op in flight. `wait()` blocks until it is done (on CUDA: makes the current
+    stream wait), records its exposed and total time (module docstring) once, and returns
+    `result()` (None for point-to-point)."""
 
     def __init__(self, kind: str, group: Optional[Group], works: Sequence, result: Callable[[], object] = lambda: None,
-                 issued_at: float = 0.0, issue_seconds: float = 0.0, keep: object = None,
-                 sink: Optional[TimeSink] = None):
+                 clock: Optional[timing.AsyncTiming] = None, keep: object = None, sink: Optional[TimeSink] = None):
         self.kind, self.group, self.works, self._result = kind, group, list(works), result
-        self.issued_at, self.issue_seconds = issued_at, issue_seconds
+        self._clock = clock
         self._keep = keep  # the tensors in flight stay alive until wait()
         self._sink = sink
         self._done = False
@@ -315,26 +329,28 @@ class Pending:
 
     def wait(self):
         if not self._done:
-            start = time.perf_counter()
-            for work in self.works:
-                work.wait()
-            end = time.perf_counter()
-            if self.group is not None:
-                COMM_STATS.record_time(self.kind, self.group, end - self.issued_at, self.issue_seconds + end - start)
+            if self._clock is None:
+                for work in self.works:
+                    work.wait()
+            else:
+                exposed, total = self._clock.wait(self.works)
+                COMM_STATS.record_time(self.kind, self.group, total, exposed)
                 if self._sink is not None:
-                    self._sink.add(self.kind, self.issue_seconds + end - start, end - self.issued_at)
+                    self._sink.add(self.kind, exposed, total)
             self._done, self._keep, self.works = True, None, []
         return self._result()
 
 
-def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequence],
+def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequence], device,
            result: Callable[[], object] = lambda: None, keep: object = None, inter_node: int = 0,
            sink: Optional[TimeSink] = None) -> Pending:
-    """Count `nbytes`, start the async ops and return their handle (holding `keep` until done)."""
+    """Count `nbytes`, start the async ops on tensors of `device` and return their handle
+    (holding `keep` until done)."""
     COMM_STATS.record_bytes(kind, group, nbytes, inter_node)
-    issued_at = time.perf_counter()
+    clock = timing.AsyncTiming(device)
     works = start_ops()
-    return Pending(kind, group, works, result, issued_at, time.perf_counter() - issued_at, keep, sink)
+    clock.issued()
+    return Pending(kind, group, works, result, clock, keep, sink)
 
 
 def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: str = "all_gather") -> Pending:
@@ -344,7 +360,7 @@ def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: st
         return Pending.completed(lambda: t)
     buf, pieces = _gather_buffers(t, group, sizes)
     return _issue(kind, group, _row_bytes(t) * sum(sizes),
-                  lambda: [dist.all_gather(pieces, buf, group=group.handle, async_op=True)],
+                  lambda: [dist.all_gather(pieces, buf, group=group.handle, async_op=True)], t.device,
                   lambda: torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0), keep=buf)
 
 
@@ -356,7 +372,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "red
         return t
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[group.rank])
-    with _timed(kind, group, _nbytes(t)):
+    with _timed(kind, group, _nbytes(t), device=t.device):
         if dist.get_backend(group.handle) == "gloo":
             # gloo has no reduce_scatter: all_reduce, then slice (same result, same counted payload)
             full = t if overwrite and t.is_contiguous() else t.contiguous().clone()
@@ -386,10 +402,10 @@ def all_to_all_v(t: torch.Tensor, send_splits: List[int], recv_splits: List[int]
                                       input_split_sizes=list(send_splits), group=group.handle, async_op=async_op)
 
     if while_in_flight is None:
-        with _timed(kind, group, _nbytes(t), inter):
+        with _timed(kind, group, _nbytes(t), inter, device=t.device):
             start(False)
         return out
-    pending = _issue(kind, group, _nbytes(t), lambda: [start(True)], keep=t, inter_node=inter)
+    pending = _issue(kind, group, _nbytes(t), lambda: [start(True)], t.device, keep=t, inter_node=inter)
     while_in_flight()
     pending.wait()
     return out
@@ -412,7 +428,7 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
     """In-place broadcast from rank `src_index` of `group`."""
     if group.size == 1:
         return t
-    with _timed("broadcast", group, _nbytes(t) * (group.size - 1) if group.rank == src_index else 0):
+    with _timed("broadcast", group, _nbytes(t) * (group.size - 1) if group.rank == src_index else 0, device=t.device):
         dist.broadcast(t, src=group.global_rank(src_index), group=group.handle)
     return t
 
@@ -424,7 +440,7 @@ def broadcast_async(t: torch.Tensor, src_index: int, group: Group, kind: str = "
         return Pending.completed()
     nbytes = _nbytes(t) * (group.size - 1) if group.rank == src_index else 0
     return _issue(kind, group, nbytes, lambda: [dist.broadcast(t, src=group.global_rank(src_index), group=group.handle,
-                                                                async_op=True)], keep=t, sink=sink)
+                                                                async_op=True)], t.device, keep=t, sink=sink)
 
 
 def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "reduce",
@@ -434,7 +450,8 @@ def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "red
         return Pending.completed()
     nbytes = 0 if group.rank == dst_index else _nbytes(t)
     return _issue(kind, group, nbytes, lambda: [dist.reduce(t, dst=group.global_rank(dst_index), op=dist.ReduceOp.SUM,
-                                                             group=group.handle, async_op=True)], keep=t, sink=sink)
+                                                             group=group.handle, async_op=True)], t.device, keep=t,
+                  sink=sink)
 
 
 def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, kind: str = "send", tag: int = 0,
@@ -453,7 +470,9 @@ def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, k
     ops += [op(dist.irecv, item) for item in recvs if item[1].numel()]
     if not ops:
         return Pending.completed()
-    return _issue(kind, group, sum(_nbytes(item[1]) for item in sends), lambda: dist.batch_isend_irecv(ops), keep=ops,
+    device = (list(sends) + list(recvs))[0][1].device
+    return _issue(kind, group, sum(_nbytes(item[1]) for item in sends), lambda: dist.batch_isend_irecv(ops), device,
+                  keep=ops,
                   inter_node=_off_node_bytes(group, [(item[0], _nbytes(item[1])) for item in sends]), sink=sink)
 
 

@@ -28,20 +28,23 @@ the load (`tests/distributed/test_reproducible.py`).
 
 Times (Alg. 1's GetInstrExecTime): a dW's is its FLOPs x the seconds per FLOP measured on the dW
 work already run (an exponential moving average, seeded by the hardware profile's
-`expert_compute.beta`); an all-to-all's comes from the profile's `ep_esp_alltoall` alpha-beta on
-its elements. The profile is `perf.hardware_profile` or, unset, the one calibrated at start-up
-(`perf/calibrate.py`: `profile_needs` asks for the all-to-all's estimate), so the budget is finite.
+`expert_compute.beta`; each dW is timed on its device by `perf/timing.py`, CUDA events that enter
+the average once they have fired, so backward never waits for the GPU to learn a time); an
+all-to-all's comes from the profile's `ep_esp_alltoall` alpha-beta on its elements. The profile is
+`perf.hardware_profile` or, unset, the one calibrated at start-up (`perf/calibrate.py`:
+`profile_needs` asks for the all-to-all's estimate), so the budget is finite.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
+from megatron_moe.perf.timing import Duration
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
 
@@ -56,8 +59,10 @@ class WGradScheduler:
         # (FLOPs, closure, ids of the parameters whose .grad it adds to), in the order backward queued them
         self.pending: List[Tuple[float, Callable[[], None], Tuple[int, ...]]] = []
         self._callback_queued = False
-        self.overlapped_seconds = 0.0  # dW time run inside all-to-alls (since `reset_counters`)
-        self.drained_seconds = 0.0  # dW time run at the end of backward
+        self.overlapped_seconds = Duration()  # dW time run inside all-to-alls (`float()` reads it)
+        self.drained_seconds = Duration()  # dW time run at the end of backward
+        self.anchor: Optional[torch.Tensor] = None  # a parameter of the model (`attach`): the dW's device
+        self._measured: List[Tuple[float, Duration]] = []  # (FLOPs, time) not yet in the average
 
     def defer(self, flops: float, work: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
         """Queue one dW computation (called from a backward function) that adds to `params`' `.grad`."""
@@ -93,13 +98,15 @@ class WGradScheduler:
             self.drained_seconds += self._run(flops, work)
         self._callback_queued = False
 
-    def _run(self, flops: float, work: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        work()
-        seconds = time.perf_counter() - start
+    def _run(self, flops: float, work: Callable[[], None]) -> Duration:
+        with timing.span(self.anchor.device if self.anchor is not None else None) as span:
+            work()
         if flops > 0:
-            self.seconds_per_flop += _SMOOTHING * (seconds / flops - self.seconds_per_flop)
-        return seconds
+            self._measured.append((flops, span.duration))
+        while self._measured and self._measured[0][1].ready():  # CPU: this one; CUDA: those that have run
+            flops, duration = self._measured.pop(0)
+            self.seconds_per_flop += _SMOOTHING * (float(duration) / flops - self.seconds_per_flop)
+        return span.duration
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
@@ -152,6 +159,7 @@ def attach(model: torch.nn.Module, scheduler: WGradScheduler) -> None:
     from megatron_moe.moe.schedules.base import Schedule
     from megatron_moe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    scheduler.anchor = next(model.parameters(), None)  # moves with `model.to(device)`
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, Experts)):
             module.wgrad = scheduler

@@ -40,7 +40,6 @@ its own partitioner over its layers.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, List, Optional
 
 import torch
@@ -50,6 +49,7 @@ from megatron_moe.moe.router import GatePartition
 from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.moe.stats import MoEStats
+from megatron_moe.perf import timing
 from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning,
                                                 fixed_partitioning, partition_max_range, segment_time)
 
@@ -61,12 +61,6 @@ def op_names(layers) -> List[str]:
     layer index i), in order."""
     return [name for layer in layers
             for name in (f"attention {layer.layer_index}", f"{'moe' if layer.is_moe else 'ffn'} {layer.layer_index}")]
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued kernels, so that a host timer measures them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _run_op(layers, op: int, x: torch.Tensor, padding_mask, aux_losses: Optional[list] = None) -> torch.Tensor:
@@ -194,11 +188,9 @@ class ForwardPartitioner:
                         best = None
                         for _ in range(repeats):
                             before = C.COMM_STATS.seconds_by_phase(A2A_KINDS)["total"]["forward"]
-                            _synchronize(x.device)
-                            start = time.perf_counter()
-                            out = _run_op(layers, op, h, mask)
-                            _synchronize(x.device)
-                            seconds = time.perf_counter() - start
+                            with timing.wall(x.device) as took:  # measurement mode: synchronized
+                                out = _run_op(layers, op, h, mask)
+                            seconds = took.seconds
                             a2a = C.COMM_STATS.seconds_by_phase(A2A_KINDS)["total"]["forward"] - before
                             if best is None or seconds < best[0] + best[1]:
                                 best = (max(seconds - a2a, 0.0), a2a)

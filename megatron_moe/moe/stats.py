@@ -7,6 +7,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_moe.perf.timing import Duration
+
 
 @dataclass
 class MoEStats:
@@ -24,15 +26,16 @@ class MoEStats:
     replicas: int = 0
     # seconds the balancer spent planning in this forward (Pro-Prophet's `Plan`)
     plan_seconds: float = 0.0
-    # {"trans" | "agg": [exposed, total] seconds} of this layer's replica traffic; Agg's entries
-    # are filled in by the backward pass (read it after backward)
-    replica_times: Optional[Dict[str, List[float]]] = None
+    # {"trans" | "agg": [exposed, total] `Duration`s} of this layer's replica traffic; Agg's
+    # entries are filled in by the backward pass (read it after backward)
+    replica_times: Optional[Dict[str, List[Duration]]] = None
 
-    def timing(self) -> List[float]:
-        """[plan, trans exposed, trans total, agg exposed, agg total] seconds."""
+    def timing(self) -> List[Duration]:
+        """[plan, trans exposed, trans total, agg exposed, agg total] seconds (`perf/timing.py`
+        `Duration`s: on CUDA read when the metrics are, not here)."""
         times = self.replica_times or {}
-        trans, agg = times.get("trans", [0.0, 0.0]), times.get("agg", [0.0, 0.0])
-        return [self.plan_seconds, trans[0], trans[1], agg[0], agg[1]]
+        trans, agg = times.get("trans", [Duration()] * 2), times.get("agg", [Duration()] * 2)
+        return [Duration(self.plan_seconds), trans[0], trans[1], agg[0], agg[1]]
 
     @classmethod
     def merge(cls, parts: List["MoEStats"]) -> "MoEStats":
@@ -64,8 +67,9 @@ class IterationMoEStats:
     schedules: List[Counter] = field(default_factory=list)
     replicas: torch.Tensor = None  # Long[L] expert replicas beyond the owners, summed over forwards
     forwards: int = 1  # micro-batch forwards summed
-    # Double[L, 5] seconds summed over forwards: plan, trans exposed / total, agg exposed / total
-    timing: torch.Tensor = None
+    # [L][5] `Duration`s summed over forwards: plan, trans exposed / total, agg exposed / total
+    # (`timing_seconds()` reads them)
+    timing: List[List[Duration]] = None
     # Long[F, L, E] `tokens_per_expert` of each forward, in order (routing traces keep them per micro-batch)
     forward_counts: torch.Tensor = None
 
@@ -76,8 +80,12 @@ class IterationMoEStats:
                    torch.tensor([s.dropped for s in stats], dtype=torch.long),
                    torch.stack([s.tokens_per_ep_rank.cpu() for s in stats]),
                    [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]),
-                   timing=torch.tensor([s.timing() for s in stats], dtype=torch.float64),
+                   timing=[s.timing() for s in stats],
                    forward_counts=torch.stack([s.tokens_per_expert.cpu() for s in stats])[None])
+
+    def timing_seconds(self) -> torch.Tensor:
+        """Double[L, 5] seconds of `timing` (waits for the device where a span has not ended)."""
+        return torch.tensor([[float(d) for d in row] for row in self.timing], dtype=torch.float64)
 
     @classmethod
     def across_stages(cls, stats: Optional["IterationMoEStats"], layers: List[int],
@@ -97,12 +105,13 @@ class IterationMoEStats:
 
         return cls(pick("tokens_per_expert"), pick("dropped"), pick("tokens_per_ep_rank"),
                    [parts[stage][1].schedules[row] for _, stage, row in rows], pick("replicas"), parts[0][1].forwards,
-                   pick("timing"), torch.cat([parts[stage][1].forward_counts[:, row: row + 1] for _, stage, row in rows],
-                                             dim=1))
+                   [parts[stage][1].timing[row] for _, stage, row in rows],
+                   torch.cat([parts[stage][1].forward_counts[:, row: row + 1] for _, stage, row in rows], dim=1))
 
     def __add__(self, other: "IterationMoEStats") -> "IterationMoEStats":
         return IterationMoEStats(self.tokens_per_expert + other.tokens_per_expert, self.dropped + other.dropped,
                                  self.tokens_per_ep_rank + other.tokens_per_ep_rank,
                                  [a + b for a, b in zip(self.schedules, other.schedules)],
                                  self.replicas + other.replicas, self.forwards + other.forwards,
-                                 self.timing + other.timing, torch.cat([self.forward_counts, other.forward_counts]))
+                                 [[a + b for a, b in zip(x, y)] for x, y in zip(self.timing, other.timing)],
+                                 torch.cat([self.forward_counts, other.forward_counts]))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,6 +44,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
 from megatron_moe.perf.hardware import OPS, ClusterSpec, HardwareProfile, Link, load_profile, save_profile
+from megatron_moe.perf import timing
 from megatron_moe.perf.timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
@@ -151,7 +151,7 @@ def measure_points(state: ParallelState, sizes: Sequence[int], reps: int, device
                 x, run = build(size)
                 run()  # warm-up
                 xs.append(x)
-                times.append(statistics.median(slowest_rank_seconds(run, state) for _ in range(reps)))
+                times.append(statistics.median(slowest_rank_seconds(run, state, device) for _ in range(reps)))
         points[name] = (xs, times)
         progress(f"{name}: {len(xs)} sizes timed" if xs else f"{name}: group of one rank, no cost")
     return points
@@ -204,7 +204,7 @@ def measure_links(state: ParallelState, sizes: Sequence[int], reps: int, device:
             x, run = build(size)
             run()
             xs.append(x)
-            times.append(statistics.median(slowest_rank_seconds(run, state) for _ in range(reps)))
+            times.append(statistics.median(slowest_rank_seconds(run, state, device) for _ in range(reps)))
         points[kind] = (xs, times)
         progress(f"{kind}: {len(xs)} sizes timed on {state.world_size} ranks")
     return points
@@ -272,12 +272,12 @@ def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
     cached = load_profile(path) if state.rank == 0 and os.path.isfile(path) else None
     profile = C.broadcast_object(cached, 0, state.world)  # rank 0's cache decides, so all ranks agree
     if profile is None:
-        start = time.perf_counter()
+        watch = timing.Stopwatch(device)
         points = measure_points(state, STARTUP_SIZES, STARTUP_REPS, device, shape)
         profile = fit_profile(f"calibrated-{platform.node()}", points,
                               fit_description(state, "start-up", STARTUP_REPS, shape),
                               f"calibrated at start-up on {state.world_size} ranks")
-        message = f"calibrated in {time.perf_counter() - start:.1f} s on {state.world_size} ranks"
+        message = f"calibrated in {watch.seconds():.1f} s on {state.world_size} ranks"
     else:
         message = "reused from the cache (delete the file to measure again)"
     for ops, who in needs:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -41,6 +40,7 @@ from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.pipeline_stages import StageChunks
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.vexperts import SlotTable
+from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import ExpertShape
 from megatron_moe.perf.hardware import HardwareProfile, save_profile
 from megatron_moe.perf.lancet_partition import partition_max_range
@@ -213,12 +213,12 @@ class Simulation:
         first = planners[0]
         prefetched = index not in self.first_in_chunk and first.prefetches_trans and \
             first.upcoming_replicas() is not None
-        start = time.perf_counter()
-        planned = stage.model.plan(planners, kept, pieces)
-        if observe:
-            for planner, placement in zip(planners, planned.placements):  # (vExperts: one shared instance)
-                planner.observe(torch.from_numpy(placement.counts), planned.sources)
-        plan_seconds = time.perf_counter() - start
+        with timing.wall() as planning:  # host work
+            planned = stage.model.plan(planners, kept, pieces)
+            if observe:
+                for planner, placement in zip(planners, planned.placements):  # (vExperts: one shared instance)
+                    planner.observe(torch.from_numpy(placement.counts), planned.sources)
+        plan_seconds = planning.seconds
         tag = str(index)
         ops = stage.model.layer(planned, tag)
         args = (self.params_per_expert, self.param_tensors)

@@ -29,11 +29,13 @@ import datetime
 import json
 import numbers
 import os
-import time
 from typing import Any, Dict, Iterator, Optional, Set, Tuple
 
 import numpy as np
 import torch
+
+from megatron_moe.perf import timing
+from megatron_moe.perf.timing import Duration
 
 Record = Dict[str, Any]
 
@@ -173,20 +175,26 @@ def layer_load_metrics(tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -
 
 
 class PhaseTimer:
-    """Wall seconds per named phase (`with timer("forward"): ...`), summed until `reset()`.
-    On CUDA each phase ends with a synchronize so that the time is the phase's own."""
+    """Seconds per named phase (`with timer("forward"): ...`), summed until `reset()`: spans of
+    `perf/timing.py` on the training device (CUDA: events on the compute stream, read when the
+    metrics are, so timing a phase never waits for the GPU). `seconds` holds `Duration`s."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.seconds: Dict[str, float] = {}
+        self.device = device
+        self.seconds: Dict[str, Duration] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
-        yield
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+        with timing.span(self.device) as span:
+            yield
+        self.seconds[phase] = self.seconds.get(phase, Duration()) + span.duration
+
+    def total(self) -> Duration:
+        return sum(self.seconds.values(), Duration())
+
+    def ms(self) -> Dict[str, float]:
+        """{phase: ms} (reads the spans)."""
+        return {phase: float(d) * 1e3 for phase, d in self.seconds.items()}
 
     def reset(self) -> None:
         self.seconds = {}

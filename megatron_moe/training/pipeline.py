@@ -17,11 +17,11 @@ point between neighbouring stages (`collectives.p2p_exchange`, byte kind `pipeli
 
 With one stage the 1F1B program is forward j, backward j for j = 0..m-1: the plain
 gradient-accumulation loop. `busy` / `wall` of the last `run` give the bubble (the trainer
-reduces them over the stages: 1 - busy / the slowest stage's wall time).
+reduces them over the stages: 1 - busy / the slowest stage's wall time); both are spans of
+`perf/timing.py` on the compute stream, read when asked for.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -30,6 +30,8 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.perf import timing
+from megatron_moe.perf.timing import Duration
 from megatron_moe.training.pipeline_schedules import PIPELINE_SCHEDULES, Exchange, Step, forward_only
 
 KIND = "pipeline"  # byte-counter label of activations and their gradients between stages
@@ -55,7 +57,18 @@ class PipelineRunner:
         self.train_program = PIPELINE_SCHEDULES.get(par.pipeline_schedule)(
             state.pp_size, stage, micro_batches, par.virtual_stages)
         self.eval_program = forward_only(state.pp_size, stage, micro_batches, par.virtual_stages)
-        self.busy = self.wall = 0.0
+        self._busy, self._wall = (Duration(), Duration()), Duration()
+
+    @property
+    def busy(self) -> float:
+        """Seconds this rank computed (forward + backward phases) in the last `run`."""
+        before, after = self._busy
+        return float(after) - float(before)
+
+    @property
+    def wall(self) -> float:
+        """Seconds the last `run` took, on this rank's compute stream."""
+        return float(self._wall)
 
     def _exchange(self, step: Exchange, outputs, input_grads, inputs, output_grads, arrivals, training: bool):
         pp = self.state.pp
@@ -83,7 +96,8 @@ class PipelineRunner:
 
     def run(self, program: List[Step], forward_step: ForwardStep, training: bool = True) -> None:
         """Execute `program` (this stage's steps); `forward_step` runs one chunk on one micro-batch."""
-        start, busy_before = time.perf_counter(), sum(self.timer.seconds.values())
+        clock, busy_before = timing.clock(self.device), self.timer.total()
+        started = clock.mark()
         inputs: Dict = {}  # (chunk, mb) -> received hidden states (the chunk's input)
         outputs: Dict = {}  # (chunk, mb) -> ChunkOutput kept for the send and the backward
         output_grads: Dict = {}  # (chunk, mb) -> received gradient of the chunk's output
@@ -116,5 +130,5 @@ class PipelineRunner:
                 input_grads[key] = x.grad if x.grad is not None else torch.zeros_like(x)
         for pending in in_flight:
             pending.wait()
-        self.wall = time.perf_counter() - start
-        self.busy = sum(self.timer.seconds.values()) - busy_before
+        self._wall = clock.span(started, clock.mark())
+        self._busy = (busy_before, self.timer.total())

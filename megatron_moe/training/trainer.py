@@ -26,7 +26,6 @@ import contextlib
 import math
 import os
 import resource
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -48,6 +47,7 @@ from megatron_moe.training.optimizer import build_optimizer
 from megatron_moe.training.pipeline import ChunkOutput, PipelineRunner
 from megatron_moe.training.pipeline_schedules import expected_bubble
 from megatron_moe.model.transformer import is_moe_layer
+from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import resolve_hardware_profile
 
 
@@ -170,10 +170,11 @@ class Trainer:
         replicas = collectives.all_reduce(moe.replicas.double().to(self.device), self.state.edp)
         replicas = (replicas.cpu() / (moe.forwards * self.state.edp_size)).tolist()
         # per layer: this iteration's planner and replica-traffic times, the slowest rank's
-        timing = collectives.all_reduce(moe.timing.to(self.device), self.state.world, op="max").cpu() * 1e3  # [L, 5]
+        times = collectives.all_reduce(moe.timing_seconds().to(self.device), self.state.world,
+                                       op="max").cpu() * 1e3  # [L, 5]
         return {"expert_load_imbalance": load_imbalance(loads), **layer_load_metrics(total[:, :-1], total[:, -1]),
                 "moe_schedule": [dict(c) for c in moe.schedules], "moe_replicas": replicas,
-                **{key: timing[:, j].tolist() for j, key in enumerate(TIMING_KEYS)}}
+                **{key: times[:, j].tolist() for j, key in enumerate(TIMING_KEYS)}}
 
     def vexpert_metrics(self, moe_layers, moves: List[int]) -> Record:
         """Per MoE layer (of every pipeline stage): vExpert primitives executed after this
@@ -207,7 +208,7 @@ class Trainer:
     def train_step(self, iteration: int) -> Record:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""
         collectives.COMM_STATS.reset()
-        start = time.perf_counter()
+        step = timing.Stopwatch(self.device)  # wall time: synchronizes here (idle after the last step) and when read
         lr = self.lr_schedule(self.cfg.optimizer, iteration, self.cfg.training.train_iters)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -221,8 +222,10 @@ class Trainer:
         grad_norm = self.grads.clip(self.cfg.optimizer.clip_grad)
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()
         inter_node = collectives.COMM_STATS.inter_node_bytes_by_kind()  # all-to-all / p2p bytes across nodes
-        comm_times = collectives.COMM_STATS.seconds_by_kind()  # exposed / total per op kind
-        a2a = collectives.COMM_STATS.seconds_by_phase(A2A_KINDS)  # token all-to-alls, forward / backward
+        # exposed / total per op kind, and of the token all-to-alls forward / backward: `Duration`s
+        # read after the step's synchronize below (on CUDA nothing waits for the GPU before it)
+        comm_times = collectives.COMM_STATS.seconds_by_kind(resolve=False)
+        a2a = collectives.COMM_STATS.seconds_by_phase(A2A_KINDS, resolve=False)
         loss, aux_loss, binary_loss = self.mean_over_dp(sums, self.num_micro_batches)
         if all_finite([loss, aux_loss, binary_loss, grad_norm]):  # the same on every rank
             with self.timer("optimizer"):
@@ -237,19 +240,18 @@ class Trainer:
         vexperts = self.vexpert_metrics(moe_layers, moves) if self.uses_vexperts else {}
         after = collectives.COMM_STATS.bytes_by_kind()  # the moves and the all-gather ran after the snapshot above
         comm_bytes.update({k: v for k, v in after.items() if k in LATE_KINDS})
-        for key, seconds in collectives.COMM_STATS.seconds_by_kind().items():
+        for key, seconds in collectives.COMM_STATS.seconds_by_kind(resolve=False).items():
             comm_times[key].update({k: v for k, v in seconds.items() if k in LATE_KINDS})
         self.latest_moe = moe  # for `step_details`
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = step.seconds()
+        comm_times, a2a = collectives.resolved(comm_times), collectives.resolved(a2a)
         tr = self.cfg.training
         return {
             "iteration": iteration, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tr.global_batch_size * self.cfg.model.seq_length / seconds,
             "iter_time_ms": seconds * 1e3, "comm_bytes": comm_bytes, "comm_bytes_inter_node": inter_node,
             **vexperts,
-            "time_ms": {**{k: v * 1e3 for k, v in self.timer.seconds.items()},
+            "time_ms": {**self.timer.ms(),
                         "comm_wait": sum(comm_times["exposed"].values()) * 1e3},
             "comm_exposed_ms": {k: v * 1e3 for k, v in comm_times["exposed"].items()},
             "comm_total_ms": {k: v * 1e3 for k, v in comm_times["total"].items()},
@@ -274,7 +276,7 @@ class Trainer:
         par = self.cfg.parallel
         wall = collectives.all_reduce(torch.tensor([self.pipeline.wall], device=self.device), self.state.pp, op="max")
         bubble = collectives.all_reduce(1.0 - self.pipeline.busy / wall.double(), self.state.world)
-        compute = torch.tensor([[self.timer.seconds.get(k, 0.0) * 1e3 for k in ("forward", "backward")]],
+        compute = torch.tensor([[self.timer.ms().get(k, 0.0) for k in ("forward", "backward")]],
                                dtype=torch.float64, device=self.device)
         compute = collectives.all_gather(compute, self.state.world, kind="stats").cpu()  # [world, 2]
         return {"pipeline_bubble": float(bubble) / self.state.world_size,

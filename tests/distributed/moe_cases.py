@@ -6,7 +6,8 @@ sum(y * gs[d]) + aux. `check_against_reference` then compares, for every rank, t
 loss, input gradient and routing statistics with the reference of micro-batch d, and every
 parameter gradient after emulating the trainer (SUM over `edp` for expert params / over `dp` for
 dense ones, divided by dp_size) with the reference gradient of the mean loss over all
-data-parallel micro-batches, sliced to the rank's shard.
+data-parallel micro-batches, sliced to the rank's shard. The layer runs on the worker's device
+(`harness.device()`: its GPU under NCCL).
 """
 from typing import Dict, List
 
@@ -17,6 +18,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.moe import lancet
 from megatron_moe.moe.layer import MoELayer
+from tests.distributed.harness import device
 from tests.moe_reference import load_full_weights_, random_full_weights, reference_moe
 
 B, S, H, FFN, E = 2, 4, 8, 8, 4  # micro-batch, sequence, hidden, expert FFN, experts
@@ -59,9 +61,10 @@ def run_layer(state, cfg: Config, full, xs, gs, balancer=None) -> Dict:
         layer.balancer = balancer
     lancet.attach_from_config(layer, cfg)  # moe.lancet.defer_wgrad
     load_full_weights_(layer, full, state)
-    x = xs[d].clone().requires_grad_(True)
+    layer.to(device())
+    x = xs[d].clone().to(device()).requires_grad_(True)
     y, aux = layer(x)
-    ((y * gs[d]).sum() + aux).backward()
+    ((y * gs[d].to(device())).sum() + aux).backward()
     params = dict(layer.named_parameters())
     return dict(y=y.detach(), aux=aux.detach(), dx=x.grad, stats=layer.last_stats,
                 grads={n: p.grad for n, p in params.items()},
@@ -154,7 +157,8 @@ def balanced_layer_comm(state, cfg: Config):
     full["router.weight"] = ROUTER_EYE.clone()
     layer = MoELayer(cfg, state, layer_index=0)
     load_full_weights_(layer, full, state)
-    x = patterned_tokens("balanced").requires_grad_(True)
+    layer.to(device())
+    x = patterned_tokens("balanced").to(device()).requires_grad_(True)
     C.COMM_STATS.reset()
     y, aux = layer(x)
     forward = C.COMM_STATS.snapshot()

@@ -22,6 +22,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.training.grads import GradSync
+from tests.distributed import harness
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -101,15 +102,16 @@ def _trainer_grads(cfg, state):
     trainer.grads.sync()
     loss, aux, _ = trainer.mean_over_dp(sums, trainer.num_micro_batches)
     # numpy: tensors would travel between processes as shared-memory handles that die with the worker
-    grads = {n: (p.meta.local_slices(state), p.grad.numpy().copy()) for n, p in trainer.model.named_parameters()}
+    grads = {n: (p.meta.local_slices(state), p.grad.cpu().numpy().copy()) for n, p in trainer.model.named_parameters()}
     return loss, aux, trainer.grads.grad_norm(), grads
 
 
 def _model_config(layout, extra=()):
+    """The tiny GPT-MoE on this process's backend (a spawned worker's, else gloo: the CPU)."""
     return load_config("configs/gpt_moe_tiny.yaml", [
         "model.seq_length=16", "training.micro_batch_size=2", "training.global_batch_size=8",
-        "moe.num_experts=4", "moe.z_loss_coeff=0.001"] + [f"parallel.{k}={v}" for k, v in layout.items()]
-        + list(extra))
+        "moe.num_experts=4", "moe.z_loss_coeff=0.001", f"parallel.backend={harness.backend()}"]
+        + [f"parallel.{k}={v}" for k, v in layout.items()] + list(extra))
 
 
 RECOMPUTE = ["training.recompute=full", "moe.schedule=s2", "moe.saa=true", "moe.balancer=fastermoe",

@@ -1,14 +1,15 @@
 """Baseline schedule (Parm Fig. 3(a)) == single-process reference, and Parm Eq. (1)'s volumes.
 
 Each spawn runs every case of `moe_cases.CASES` on one layout and checks it against the reference
-(`moe_cases.check_against_reference`). Every data-parallel rank has its own tokens.
+(`moe_cases.check_against_reference`). Every data-parallel rank has its own tokens. On gloo, and
+on NCCL with a GPU per rank (`make test-gpu`).
 """
 
 import pytest
 import torch
 
 from megatron_moe.distributed.parallel_state import RankLayout
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, run_distributed
 from tests.distributed.moe_cases import (B, CASES, E, H, S, balanced_layer_comm, case_config, case_data,
                                          check_against_reference, run_layer)
 
@@ -54,11 +55,12 @@ def _check_eq1_volumes(forward, backward, layout: RankLayout):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=lambda v: str(v))
-def test_baseline_layer_equals_reference(world, layout_kwargs):
+def test_baseline_layer_equals_reference(world, layout_kwargs, backend):
     layout = RankLayout(world_size=world, **layout_kwargs)
     check_comm = layout.tensor * layout.expert_shard > 1 and layout.expert > 1
-    outputs = run_distributed(world, _run_cases, layout_kwargs, args=(check_comm,))
+    outputs = run_distributed(world, _run_cases, layout_kwargs, args=(check_comm,), backend=backend)
     for index in range(len(CASES)):
         refs = check_against_reference([out[0][index] for out in outputs], index, layout, "baseline")
         for rank in range(world):

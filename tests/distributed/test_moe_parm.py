@@ -21,7 +21,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import HardwareProfile, save_profile
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, run_distributed
 from tests.distributed.moe_cases import (B, E, H, ROUTER_EYE, S, balanced_layer_comm, case_config, case_data,
                                          check_against_reference, check_results, patterned_tokens, reference_of,
                                          run_layer)
@@ -99,17 +99,17 @@ def _run_layouts(state, jobs):
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    """world -> {layout: outputs per rank}, spawned on first use."""
+    """(world, backend) -> {layout: outputs per rank}, spawned on first use."""
     cache = {}
 
-    def get(world):
-        if world not in cache:
+    def get(world, backend="gloo"):
+        if (world, backend) not in cache:
             tmp = tmp_path_factory.mktemp("profiles")
             jobs = [(kw, _switch_profile(RankLayout(world_size=world, **kw), str(tmp / f"switch_{i}.yaml")), check)
                     for i, (w, kw, check) in enumerate(LAYOUTS) if w == world]
-            outputs = run_distributed(world, _run_layouts, jobs[0][0], args=(jobs,), timeout=600)
-            cache[world] = {str(kw): [out[i] for out in outputs] for i, (kw, _, _) in enumerate(jobs)}
-        return cache[world]
+            outputs = run_distributed(world, _run_layouts, jobs[0][0], args=(jobs,), timeout=600, backend=backend)
+            cache[(world, backend)] = {str(kw): [out[i] for out in outputs] for i, (kw, _, _) in enumerate(jobs)}
+        return cache[(world, backend)]
 
     return get
 
@@ -151,12 +151,13 @@ def _expected_volumes(schedule: str, saa: bool, layout: RankLayout):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs,check_comm", LAYOUTS, ids=[
     "-".join(f"{short}{kw[key]}" for key, short in (("tensor", "tp"), ("expert", "ep"), ("expert_shard", "esp"))
              if key in kw) for _, kw, _ in LAYOUTS])
-def test_parm_schedules_equal_reference(world, layout_kwargs, check_comm, spawned):
+def test_parm_schedules_equal_reference(world, layout_kwargs, check_comm, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = spawned(world)[str(layout_kwargs)]
+    outputs = spawned(world, backend)[str(layout_kwargs)]
     for i, (schedule, saa, index) in enumerate(RUNS):
         label = f"{schedule} saa={saa}"
         refs = check_against_reference([out[0][i] for out in outputs], index, layout, label)

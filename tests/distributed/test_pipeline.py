@@ -11,7 +11,9 @@ first is resumed on one process (plain AdamW) and on pipeline=1 expert=4 with th
 optimizer (sharded over 4 data-parallel ranks): iterations 4-6 equal the uninterrupted run's.
 Pipeline stages with other techniques, on pipeline=2 expert=2: EPLB's vExperts moving every
 iteration with full recomputation on an uneven split (1 + 3 layers), and Pro-Prophet's block-wise
-scheduler with Lancet's deferred weight gradients. One spawn per world size (8 ranks first: the 4-rank spawn resumes its checkpoint)."""
+scheduler with Lancet's deferred weight gradients. One spawn per world size (8 ranks first: the 4-rank spawn resumes its checkpoint).
+Everything runs on gloo, and on NCCL with a GPU per rank (`make test-gpu`; the references then
+run on one GPU)."""
 import hashlib
 from typing import Dict
 
@@ -23,7 +25,7 @@ from megatron_moe.model.bert import BertMoEModel
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.training.trainer import Trainer
 from tests.checkpoint_helpers import synthetic_bert_datasets, synthetic_datasets
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -93,37 +95,46 @@ def _resume(tmp) -> list:
     return [f"checkpoint.load={tmp}/ckpt/iter_0000003", "checkpoint.save_interval=0"]
 
 
-def _spawn(world: int, tmp, extra_jobs=()) -> Dict[tuple, list]:
+def _spawn(world: int, tmp, backend: str, extra_jobs=()) -> Dict[tuple, list]:
     """{(layout name, model, distributed): rank 0's records} of every run on `world` ranks."""
     runs = [(name, model, dist) for name, (w, _, _, _) in LAYOUTS.items() if w == world
             for model in MODELS for dist in (False, True)]
     jobs = [(LAYOUTS[name][1], model, LAYOUTS[name][2] + (DIST if dist else [])
              + (_save(tmp) if (name, model, dist) == SAVER else [])) for name, model, dist in runs]
-    outputs = run_distributed(world, _jobs, jobs[0][0], (jobs + list(extra_jobs), str(tmp)), timeout=900)
+    jobs = [(kwargs, model, overrides + [f"parallel.backend={backend}"])
+            for kwargs, model, overrides in jobs + list(extra_jobs)]
+    outputs = run_distributed(world, _jobs, jobs[0][0], (jobs, str(tmp)), timeout=900, backend=backend)
     per_rank = list(zip(*outputs))  # [job][rank]
     results = {run: per_rank[i] for i, run in enumerate(runs)}
     results.update({("extra", i): per_rank[len(runs) + i] for i in range(len(extra_jobs))})
     return results
 
 
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("pipeline")
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def reference(tmp):
-    return {model: _train(ParallelState.single_process(), str(tmp), model, []) for model in MODELS}
+def tmp(tmp_path_factory, backend):
+    return tmp_path_factory.mktemp(f"pipeline-{backend}")
 
 
 @pytest.fixture(scope="module")
-def world8(tmp, reference):
-    return _spawn(8, tmp)
+def reference(tmp, backend):
+    return {model: _train(ParallelState.single_process(), str(tmp), model, [f"parallel.backend={backend}"])
+            for model in MODELS}
 
 
 @pytest.fixture(scope="module")
-def world4(tmp, world8):  # after world8: resumes the checkpoint it saved
-    return _spawn(4, tmp, extra_jobs=[(dict(expert=4), "gpt", ["parallel.expert=4"] + DIST + _resume(tmp))]
+def world8(tmp, reference, backend):
+    return _spawn(8, tmp, backend)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp, world8, backend):  # after world8: resumes the checkpoint it saved
+    return _spawn(4, tmp, backend,
+                  extra_jobs=[(dict(expert=4), "gpt", ["parallel.expert=4"] + DIST + _resume(tmp))]
                   + [(dict(pipeline=2, expert=2), "gpt", overrides) for overrides in COMBINED.values()])
 
 
@@ -157,10 +168,10 @@ def test_pipeline_layouts_train_like_one_process(name, reference, world4, world8
             assert ratio == pytest.approx(0.5, abs=0.01), (name, model, rank, ratio)
 
 
-def test_checkpoint_from_pipeline_resumes_on_one_process_and_on_expert4(tmp, reference, world8, world4):
+def test_checkpoint_from_pipeline_resumes_on_one_process_and_on_expert4(tmp, backend, reference, world8, world4):
     saved = world8[SAVER][0]
     _same_run(saved, reference["gpt"], "saving run")
-    one = _train(ParallelState.single_process(), str(tmp), "gpt", _resume(tmp))
+    one = _train(ParallelState.single_process(), str(tmp), "gpt", _resume(tmp) + [f"parallel.backend={backend}"])
     _same_run(one, reference["gpt"][3:], "resumed on 1 process")
     ep4 = world4[("extra", 0)]
     _same_run(ep4[0], reference["gpt"][3:], "resumed on expert=4, distributed optimizer")

@@ -21,7 +21,7 @@ from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import load_profile, save_profile
-from tests.distributed.harness import per_world_spawner
+from tests.distributed.harness import BACKENDS, per_world_spawner
 from tests.distributed.moe_cases import CASES, E, FFN, H, check_against_reference, run_on_layouts
 from tests.distributed.test_moe_parm import TESTBED_B
 
@@ -99,10 +99,11 @@ def _shard_params(index: int, layout: RankLayout) -> int:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
-def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, spawned):
+def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = spawned(world)[str(layout_kwargs)]
+    outputs = spawned(world, backend)[str(layout_kwargs)]
     for i, (policy, (schedule, saa, index)) in enumerate([(p, run) for p in POLICIES for run in RUNS]):
         label = f"{policy} {schedule} saa={saa}"
         check_against_reference([out[i][0] for out in outputs], index, layout, label)

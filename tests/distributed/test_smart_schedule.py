@@ -2,12 +2,14 @@
 schedule it composes with, with and without replicas, dropless and with capacity drops.
 
 The pairwise steps replace each schedule's all-to-all pair: no all-to-all bytes remain, and the
-rows a rank sends point to point are the plain all-to-all's rows minus those it keeps.
+rows a rank sends point to point are the plain all-to-all's rows minus those it keeps. That the
+steps are pipelined (a sequential exchange would pass here) and that evaluation builds no graphs:
+tests/distributed/test_overlap_order.py.
 """
 import pytest
 
 from megatron_moe.distributed.parallel_state import RankLayout
-from tests.distributed.harness import per_world_spawner
+from tests.distributed.harness import BACKENDS, per_world_spawner
 from tests.distributed.moe_cases import check_against_reference, run_on_layouts
 from tests.distributed.test_moe_parm import TESTBED_B
 from tests.distributed.test_replicas import ReplicateOne, ShadowFixed
@@ -40,10 +42,11 @@ def spawned():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
-def test_smart_schedule_equals_reference(world, layout_kwargs, spawned):
+def test_smart_schedule_equals_reference(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = spawned(world)[str(layout_kwargs)]
+    outputs = spawned(world, backend)[str(layout_kwargs)]
     for i, (schedule, index, balancer, group_size) in enumerate(RUNS):
         label = f"smart {schedule} {getattr(balancer, '__name__', 'none')} g={group_size}"
         check_against_reference([out[i][0] for out in outputs], index, layout, label)

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, run_distributed
 from tests.distributed.moe_cases import B, E, S, case_data, check_results, reference_of, run_layer
 from tests.distributed.test_moe_parm import TESTBED_B
 
@@ -47,10 +47,11 @@ def _topology_reference(index: int, layout: RankLayout):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep4-2nodes", "tp2-ep2-esp2-4nodes"])
-def test_topology_gate_equals_its_reference_and_saves_inter_node_bytes(world, layout_kwargs):
+def test_topology_gate_equals_its_reference_and_saves_inter_node_bytes(world, layout_kwargs, backend):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = run_distributed(world, _run, layout_kwargs, args=([layout_kwargs],), timeout=600)
+    outputs = run_distributed(world, _run, layout_kwargs, args=([layout_kwargs],), timeout=600, backend=backend)
     outputs = [out[0] for out in outputs]
     saved = 0
     for i, (schedule, index) in enumerate(RUNS):

@@ -17,7 +17,7 @@ from megatron_moe.model.param_meta import init_from_seed_
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.vexperts import optimizer_tensors, relocate
-from tests.distributed.harness import per_world_spawner
+from tests.distributed.harness import BACKENDS, device, per_world_spawner
 from tests.distributed.moe_cases import B, E, FP32, H, S, case_config, case_data, check_results, reference
 from tests.distributed.test_moe_parm import TESTBED_B
 
@@ -62,10 +62,11 @@ def _layer_run(sub: ParallelState, run):
                         p[k].copy_(full[name][e][slices[1:]])
             else:
                 p.copy_(full[name][slices])
+    layer.to(device())
     d = sub.layout.coords(sub.rank)["dp"]
-    x = xs[d].clone().requires_grad_(True)
+    x = xs[d].clone().to(device()).requires_grad_(True)
     y, aux = layer(x)
-    ((y * gs[d]).sum() + aux).backward()
+    ((y * gs[d].to(device())).sum() + aux).backward()
     layer.balancer.before_grad_sync()  # what the trainer does before the data-parallel all-reduce
     params = dict(layer.named_parameters())
     return dict(y=y.detach(), aux=aux.detach(), dx=x.grad, stats=layer.last_stats, row=row,
@@ -80,6 +81,7 @@ def _move_run(sub: ParallelState):
     experts = Experts(cfg, sub, slots_per_rank=len(TABLES[sub.ep_size][0]) if sub.ep_size in TABLES else None)
     for name, p in experts.named_parameters():
         init_from_seed_(p, name, 7, sub)
+    experts.to(device())
     optimizer = torch.optim.AdamW(experts.parameters(), lr=0.1, weight_decay=0.1, fused=True)
     table = experts.slot_table
     row = table.slots[sub.ep.rank].tolist()
@@ -88,7 +90,8 @@ def _move_run(sub: ParallelState):
             full = torch.randn((E,) + tuple(p.meta.global_shape[1:]),
                                generator=torch.Generator().manual_seed(step * 10 + len(name)))
             slices = p.meta.local_slices(sub)
-            p.grad = torch.stack([full[e][slices[1:]] if e >= 0 else torch.zeros_like(p[0]) for e in row])
+            rows = [full[e][slices[1:]] if e >= 0 else torch.zeros(p.shape[1:]) for e in row]
+            p.grad = torch.stack(rows).to(p.device)
         optimizer.step()
     params = experts.stacks()
     before = {e: [t[k].clone() for t in optimizer_tensors(params, optimizer)] for k, e in enumerate(row) if e >= 0}
@@ -113,10 +116,11 @@ def spawned():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
-def test_slot_placements_equal_reference_under_every_schedule(world, layout_kwargs, spawned):
+def test_slot_placements_equal_reference_under_every_schedule(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = spawned(world)[str(layout_kwargs)]
+    outputs = spawned(world, backend)[str(layout_kwargs)]
     for i, (schedule, saa, smart, index) in enumerate(RUNS):
         label = f"{schedule} saa={saa} smart={smart} case {index}"
         results = [out["layers"][i] for out in outputs]
@@ -140,10 +144,11 @@ def test_slot_placements_equal_reference_under_every_schedule(world, layout_kwar
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
-def test_moves_carry_weights_and_adam_moments_exactly(world, layout_kwargs, spawned):
+def test_moves_carry_weights_and_adam_moments_exactly(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
-    outputs = spawned(world)[str(layout_kwargs)]
+    outputs = spawned(world, backend)[str(layout_kwargs)]
     new = MOVES[layout.expert]
     for group in layout.groups("ep"):  # one ESP shard (and data-parallel copy) per group
         moves = [outputs[r]["move"] for r in group]

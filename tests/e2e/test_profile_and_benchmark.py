@@ -244,3 +244,26 @@ def test_pipeline_benchmark_reports_the_bubble_next_to_its_formula():
     for row in rows.values():
         assert 0.0 < row["bubble_measured"] < 1.0 and 0.0 < row["bubble_simulated"] < 1.0
         assert 0.0 < row["bubble_predicted"] < 1.0
+
+
+@pytest.mark.gpu
+def test_moe_layer_benchmark_smoke_on_gpus():
+    """`make test-gpu`'s benchmark run: benchmarks/moe_layer.py on 2 GPUs (NCCL) with every row,
+    FasterMoE and Pro-Prophet's block-wise scheduler over 2 layers, with and without the smart
+    schedule, and the hardware profile calibrated at start-up on the GPUs. Every row computes the
+    baseline's output, and every op kind was timed (CUDA events, perf/timing.py)."""
+    from tests.distributed.harness import require_gpus
+
+    require_gpus(2)
+    stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--balancer", "none,fastermoe,proprophet:overlap",
+                      "--layers", "2", "--min-shadow", "1", "--min-replicas", "1", "--smart", "--reps", "3",
+                      "--warmup", "1", timeout=600)
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["config"]["device"].startswith("cuda")
+    rows = out["results"]
+    assert {"baseline", "s2_saa+proprophet:overlap", "auto+fastermoe+smart"} <= set(rows)
+    for name, row in rows.items():
+        assert 0 < row["ms_median"] < 1e4 and row["max_abs_diff_vs_baseline"] < 1e-4, (name, row)
+        assert set(row["total_ms"]) >= {key.split("/")[0] for key in row["bytes"]}, name
+        assert sum(row["total_ms"].values()) > 0, name
+    assert rows["baseline+fastermoe"]["replicas"] >= 1 and rows["baseline+proprophet:overlap"]["replicas"] >= 1

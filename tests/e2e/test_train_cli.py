@@ -8,6 +8,9 @@ under torchrun for the config errors, else started with torchrun's worker enviro
 * the tiny demo config learns: loss falls, eval perplexity and TensorBoard files are written.
 * bf16 follows fp32's loss curve, iteration by iteration, within a bf16 bound that a run learning
   a step (or a 10 % lr) apart fails.
+
+Layout invariance and bf16 also run on GPUs (`make test-gpu`, `parallel.backend=nccl`, one
+process per GPU; the reference is one GPU, bf16 on 2 GPUs with expert=2).
 """
 import json
 import math
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.harness import BACKENDS, require_gpus
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +34,7 @@ CONFIG = ["--config", "configs/gpt_moe_tiny.yaml"]
 INVARIANCE = ["training.train_iters=4", "training.log_interval=1", "training.eval_interval=0",
               "training.micro_batch_size=1", "training.global_batch_size=8", "model.seq_length=32",
               "model.dropout=0.0", "moe.capacity_factor=null", "optimizer.warmup_iters=1"]
+NCCL = ["parallel.backend=nccl"]  # one process per GPU (make test-gpu)
 
 
 def run_cli(nproc, overrides, timeout=300):
@@ -103,6 +109,14 @@ def reference(tmp_path_factory):
     return records
 
 
+@pytest.fixture(scope="session")
+def reference_gpu(tmp_path_factory):
+    """One GPU, INVARIANCE: the run every layout must reproduce on GPUs."""
+    records, _ = train(1, INVARIANCE + NCCL, tmp_path_factory.mktemp("ref-gpu"))
+    return records
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("nproc,layout", [
     (2, ["parallel.tensor=2"]),
     (2, ["parallel.expert=2"]),
@@ -117,8 +131,11 @@ def reference(tmp_path_factory):
     # pipeline stages (one layer each) + ZeRO-1 over data parallel 2 (tests/distributed/test_pipeline.py: more)
     (4, ["parallel.pipeline=2", "parallel.expert=2", "optimizer.distributed=true"]),
 ], ids=["tp2", "ep2", "ep2-edp2", "tp2-ep2-esp2", "ep4-esp2", "tp2-s1-compile", "tp2-ep2-auto", "pp2-ep2-zero"])
-def test_layout_invariance(reference, nproc, layout, tmp_path):
-    records, _ = train(nproc, INVARIANCE + layout, tmp_path)
+def test_layout_invariance(request, nproc, layout, backend, tmp_path):
+    if backend == "nccl":
+        require_gpus(nproc)
+    reference = request.getfixturevalue("reference" if backend == "gloo" else "reference_gpu")
+    records, _ = train(nproc, INVARIANCE + layout + (NCCL if backend == "nccl" else []), tmp_path)
     assert [r["iteration"] for r in records] == [r["iteration"] for r in reference] == [1, 2, 3, 4]
     for ref, got in zip(reference, records):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ref, got)
@@ -167,9 +184,15 @@ def test_demo_loss_falls_with_eval_and_tensorboard(tmp_path):
 BF16_BOUND = 3e-3
 
 
-def test_bf16_tracks_fp32(tmp_path):
-    overrides = INVARIANCE + ["training.train_iters=15"]
-    fp32, bf16 = ([r["loss"] for r in train(1, overrides + [f"training.precision={p}"], tmp_path / p)[0]]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_tracks_fp32(tmp_path, backend):
+    """On GPUs: 2 processes, expert=2 (NCCL carries the bf16 hidden states' all-to-alls); the bound
+    is the CPU's, from bf16's 8 significant bits, not re-measured on a GPU."""
+    nproc, overrides = 1, INVARIANCE + ["training.train_iters=15"]
+    if backend == "nccl":
+        require_gpus(2)
+        nproc, overrides = 2, overrides + NCCL + ["parallel.expert=2"]
+    fp32, bf16 = ([r["loss"] for r in train(nproc, overrides + [f"training.precision={p}"], tmp_path / p)[0]]
                   for p in ("fp32", "bf16"))
     assert len(fp32) == len(bf16) == 15
     # both curves fall (mean of the last 5 iterations vs the first 3: 0.56 to 0.66 measured), so

@@ -118,3 +118,24 @@ def test_plan_quality_against_brute_force():
     mean = sum(ratios) / len(ratios)
     assert mean < 1.005 and sum(r < 1 + 1e-9 for r in ratios) >= 95, mean
     assert max(ratios) < 1.10, max(ratios)
+
+
+def test_split_trans_takes_the_longest_prefix_that_fits_t_fec():
+    """Alg. 2 line 7 (moe/cross_layer.py): SubTrans1 takes the replicated experts, in order, whose
+    Eq. 4 times add up to at most the block before's T_FEC; SubTrans2 the rest. Here an expert
+    moved to k replicas costs k x 1 element x 0.5 s / 2 devices = 0.25 k s (exact in binary)."""
+    from megatron_moe.moe.cross_layer import split_trans
+
+    model = ProphetCostModel(row_elements=1, params_per_expert=1.0, seconds_per_row=1.0, seconds_per_element=0.5,
+                             fnec_seconds=0.0)
+    selections = [(0, (0, 1)), (2, (1, 0, 3)), (5, (2, 1)), (7, (3, 0))]  # 1, 2, 1, 1 replicas
+    cumulative = [0.25, 0.75, 1.0, 1.25]
+    assert split_trans(selections, model, 2, 0.0) == 0  # nothing fits: all in SubTrans2
+    for count, spent in enumerate(cumulative, start=1):
+        assert split_trans(selections, model, 2, spent) == count  # a prefix that fits exactly is taken
+        assert split_trans(selections, model, 2, spent - 1e-9) == count - 1
+    assert split_trans(selections, model, 2, 10.0) == 4  # everything fits: SubTrans2 moves nothing
+    assert split_trans(selections, model, 4, 0.5) == 3  # Eq. 4 divides by the devices: 0.125 k s
+    assert split_trans([], model, 2, 1.0) == 0
+    # the cut is a prefix: a later, cheaper expert does not jump ahead of an expensive one
+    assert split_trans([(1, (0, 1, 2, 3)), (4, (1, 0))], model, 2, 0.5) == 0

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -45,6 +44,7 @@ from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.balancers.fastermoe import rows_per_rank
 from megatron_moe.moe.placement import Placement, owner_table
+from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.hardware import configured_profile
 from megatron_moe.perf.proprophet_model import PROPROPHET_OPS, ProphetCostModel
@@ -307,9 +307,9 @@ class ProProphet(Balancer):
         the forwards after it; `last_plan_seconds` is the search time (0 when none ran)."""
         self.last_plan_seconds = 0.0
         if self.forwards % self.plan_every == 0:
-            start = time.perf_counter()
-            self.chosen = self.search(counts, source_ep_ranks)
-            self.last_plan_seconds = time.perf_counter() - start
+            with timing.wall() as searched:  # host work: numpy on the CPU counts
+                self.chosen = self.search(counts, source_ep_ranks)
+            self.last_plan_seconds = searched.seconds
         self.forwards += 1
 
     def upcoming_replicas(self) -> Optional[List[Selection]]:

@@ -125,11 +125,11 @@ class BaselineSchedule(Schedule):
 
     def smart_parts(self, routed: BaselineRouted, placement: Placement):
         """Pairwise steps over `ep`; each step's partial sums are ESP-AllReduced before going back."""
-        from megatron_moe.moe.schedules.smart import SmartPlan
+        from megatron_moe.moe.schedules.smart import SmartPlan, smart_peer_group
 
         send, ctx = self._send_rows(routed, placement)
-        plan = SmartPlan(self.state.ep, ctx.send_splits, ctx.recv_splits, self.cfg.moe.smart_group_size, placement,
-                         self.state.ep.rank)
+        peers = smart_peer_group(self.cfg.moe.smart_group_size, self.state.esp_size, exchange_over_ep_esp=False)
+        plan = SmartPlan(self.state.ep, ctx.send_splits, ctx.recv_splits, peers, placement, self.state.ep.rank)
         return send, ctx, plan, lambda out: reduce_from_tp_region(out, self.state.esp)
 
     def smart_finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:

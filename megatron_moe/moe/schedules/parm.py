@@ -324,15 +324,15 @@ class ParmSchedule(Schedule):
     def smart_parts(self, routed, placement: Placement):
         """Pairwise steps over `ep_esp`, an EP rank's shard holders in one fine-grained group; S2's
         MP-Split / MP-AllGather and the local Dump / Combine stay outside (plain autograd)."""
-        from megatron_moe.moe.schedules.smart import SmartPlan
+        from megatron_moe.moe.schedules.smart import SmartPlan, smart_peer_group
 
         routed, state = self.parm_routed(routed), self.state
         exchange = EpEspExchange(state, placement, routed.piece_rows, False, routed.tokens.device)
         rows = self._rows(routed)
         if routed.piece_rows is not None:  # S2's MP-Split (backward: all-gather of the pieces' gradients)
             rows = C.split_v_autograd(rows, state.tp, routed.piece_rows)
-        plan = SmartPlan(state.ep_esp, exchange.send_splits, exchange.recv_splits,
-                         self.cfg.moe.smart_group_size * state.esp_size, placement, state.ep.rank)
+        peers = smart_peer_group(self.cfg.moe.smart_group_size, state.esp_size, exchange_over_ep_esp=True)
+        plan = SmartPlan(state.ep_esp, exchange.send_splits, exchange.recv_splits, peers, placement, state.ep.rank)
         return rows.index_select(0, exchange.dump), (routed, exchange, rows.shape), plan, lambda out: out
 
     def smart_finish(self, returned: torch.Tensor, ctx) -> torch.Tensor:

@@ -17,7 +17,8 @@ fastest link (Fig. 8c). Backward mirrors it: the gradient of step j's outputs ar
 the previous step's backward computes, and the gradient of the rows goes back to their senders.
 
 One autograd node (`_SmartExchange`) holds the whole pipeline: its forward keeps each step's
-small compute graph (rows -> expert outputs) and its backward replays the steps in pipeline order,
+small compute graph (rows -> expert outputs; none when the caller's autograd is off, e.g.
+evaluation under `torch.no_grad`) and its backward replays the steps in pipeline order,
 back-propagating each graph when its output gradient has arrived (the expert weights' gradients
 accumulate as in any backward; the replica weights' are summed over the steps and returned to
 *Trans*, whose backward is *Agg*). The math is the plain schedule's: exactness is tested against the
@@ -87,7 +88,9 @@ class _SmartExchange(torch.autograd.Function):
     all-to-all back). `compute(batch, replica_stacks) -> expert outputs` runs one step's batch."""
 
     @staticmethod
-    def forward(ctx, send: torch.Tensor, plan: SmartPlan, compute: Callable, *replica_stacks):
+    def forward(ctx, send: torch.Tensor, plan: SmartPlan, compute: Callable, track: bool, *replica_stacks):
+        """`track`: the caller's grad mode (autograd is off inside a Function's forward): build
+        each step's graph for backward only then."""
         hidden, steps = send.shape[1], plan.steps
         send_at, recv_sizes = _offsets(plan.send_splits), plan.recv_splits
         returned = send.new_empty(send.shape)
@@ -105,11 +108,12 @@ class _SmartExchange(torch.autograd.Function):
             handle.wait()
             if j + 1 < len(steps):
                 posted = post_rows(j + 1)  # S_{j+1} in flight while C_j computes
-            rows = torch.cat(bufs).requires_grad_(True)
-            with torch.enable_grad():
+            rows = torch.cat(bufs).requires_grad_(track)
+            with torch.set_grad_enabled(track):
                 batch, order = plan.batch(rows, frm)
                 out = compute(batch, leaves).index_select(0, torch.argsort(order))  # [rows, h] source-major
-            graphs.append((rows, out))
+            if track:
+                graphs.append((rows, out))
             outs = out.detach().split([recv_sizes[r] for r in frm])
             mine = [(q, returned.narrow(0, send_at[q], plan.send_splits[q])) for q in to]
             pending.append(_exchange(plan, list(zip(frm, outs)), mine, tag=2 * j + 1))  # R_j
@@ -147,13 +151,13 @@ class _SmartExchange(torch.autograd.Function):
         for handle in pending:
             handle.wait()
         replica_grads = tuple(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in ctx.leaves)
-        return (grad_send, None, None) + replica_grads
+        return (grad_send, None, None, None) + replica_grads
 
 
 def smart_exchange(send: torch.Tensor, plan: SmartPlan, compute: Callable, replicas=None) -> torch.Tensor:
     """`_SmartExchange` with the replica stacks of this forward (waited for Trans) as inputs."""
     stacks = tuple(replicas.stacks()) if replicas is not None else ()
-    return _SmartExchange.apply(send, plan, compute, *stacks)
+    return _SmartExchange.apply(send, plan, compute, torch.is_grad_enabled(), *stacks)
 
 
 def smart_peer_group(group_size_in_ep_ranks: int, esp_size: int, exchange_over_ep_esp: bool) -> int:
