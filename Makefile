@@ -1,5 +1,6 @@
 # Quickstart targets. Without an active virtual environment, a local .venv is created.
 # torch==2.13.0 is installed first (CPU build) so nothing pulls a CUDA build.
+# `make demo ARGS="moe.top_k=1 training.train_iters=20"` passes config overrides to the demo run.
 ifdef VIRTUAL_ENV
 PY := python
 else
@@ -18,7 +19,7 @@ setup: .setup-stamp
 	@touch .setup-stamp
 
 demo: setup
-	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo
+	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo $(ARGS)
 
 # the CPU suite (gloo processes), on the CPU even on a GPU node; the gpu-marked tests are left to test-gpu
 test: setup

@@ -18,8 +18,10 @@ expert_shard 2):
    same counts).
 
 Prints a table and, on its last line, JSON with every row's measured and predicted ms and the
-relative error (predicted / measured - 1). On 2 cores, more processes than cores share them:
-measured times are total work, which the calibration absorbs only partly.
+relative error (predicted / measured - 1), and the machine (with the load average before and
+after each world size: other jobs on the cores move the measured side). On 2 cores, more
+processes than cores share them: measured times are total work, which the calibration absorbs
+only partly.
 """
 import argparse
 import json
@@ -32,6 +34,7 @@ import numpy as np
 
 from megatron_moe.config.schema import Config
 from megatron_moe.perf.hardware import load_profile
+from megatron_moe.perf.machine import load_average, machine_info
 from megatron_moe.sim.runner import Simulation
 
 LAYOUTS = {2: dict(tensor=1, expert=2, expert_shard=1), 4: dict(tensor=2, expert=2, expert_shard=1),
@@ -112,10 +115,13 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     args.balancers = args.balancers.split(",")
-    results = {}
+    results, load = {}, {}
+    machine = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
+            before = load_average()
             results[world] = validate(args, world, tmp)
+            load[world] = [before, load_average()]
             for name, r in results[world].items():
                 print(f"{world} procs {name:24s} measured {r['measured_ms']:8.2f} ms  predicted {r['predicted_ms']:8.2f} "
                       f"ms  error {r['error'] * 100:+.0f}%", flush=True)
@@ -123,7 +129,8 @@ def main(argv=None) -> int:
     summary = {"mean_abs_error": round(float(np.mean(errors)), 3), "max_abs_error": round(float(np.max(errors)), 3),
                "per_world_mean_abs_error": {w: round(float(np.mean([abs(r["error"]) for r in rows.values()])), 3)
                                             for w, rows in results.items()}}
-    print(json.dumps({"config": vars(args), "results": results, "summary": summary}))
+    print(json.dumps({"config": vars(args), "machine": dict(machine, load_average=load), "results": results,
+                      "summary": summary}))
     return 0
 
 

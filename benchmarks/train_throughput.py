@@ -15,10 +15,13 @@ rounding plus the aux loss, which only ours adds: both losses below are the lang
 A step is zero_grad, forward, backward (LM loss + ours: its aux loss), optimizer step. Steps
 alternate (ours, ours with `training.compile=true`, HF, ours, ...), --warmup of each first;
 reported: median step ms, tokens/s and the ratios to HF and of compiled to eager (the first
-compiled step, which compiles, is reported apart as `compile_first_step_s`); parameter counts of both (they must be equal); and `matmul_floor_ms`: the
-time of the step's matrix multiplies alone (every forward GEMM of the model at its shapes, experts
-with the rows the first step routed to each, plus the two backward GEMMs of each), as plain
-`torch.mm` / `torch.bmm` calls. Prints one JSON object.
+compiled step, which compiles, is reported apart as `compile_first_step_s`); parameter counts of
+both (they must be equal); and `matmul_floor_ms`: the time of the step's matrix multiplies alone
+(every forward GEMM of the model at its shapes, experts with the rows the first step routed to
+each, plus the two backward GEMMs of each) as plain `torch.mm` / `torch.bmm` calls, one pass after
+each round of steps (median). Prints one JSON object, with `machine`: CPU model, cores, torch
+version and threads, CUDA device, and the load average at the start and the end (other jobs on
+the cores slow every side, not always alike). The ratios depend on the machine.
 """
 import argparse
 import json
@@ -34,6 +37,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.perf import timing
+from megatron_moe.perf.machine import load_average, machine_info
 from megatron_moe.training.optimizer import build_optimizer
 
 SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.num_attention_heads=4",
@@ -91,8 +95,9 @@ def step_hf(model, optimizer, tokens, labels):
     return loss.item()
 
 
-def matmul_floor_ms(cfg, rows_per_expert, reps: int = 3) -> float:
-    """Median time of the step's GEMMs alone (forward, and dX / dW of each in backward)."""
+def matmul_floor(cfg, rows_per_expert):
+    """One pass over the step's GEMMs alone (forward, and dX / dW of each in backward): a function
+    returning the seconds they took, to be timed in turn with the steps."""
     m, b = cfg.model, cfg.training.micro_batch_size
     n, h, s, heads = b * m.seq_length, m.hidden_size, m.seq_length, m.num_attention_heads
     d, f, V = h // heads, cfg.moe.expert_ffn_hidden_size, m.vocab_size
@@ -101,7 +106,8 @@ def matmul_floor_ms(cfg, rows_per_expert, reps: int = 3) -> float:
     gemms = (dense + experts) * m.num_layers + [(n, h, V)]
     batched = [(b * heads, s, d, s), (b * heads, s, s, d)] * m.num_layers  # scores, context
 
-    def run():
+    def run() -> float:
+        run.seconds = 0.0
         for rows, k, cols in gemms:
             if rows == 0:
                 continue
@@ -114,18 +120,15 @@ def matmul_floor_ms(cfg, rows_per_expert, reps: int = 3) -> float:
             with timing.wall(x.device) as took:
                 torch.bmm(x, w), torch.bmm(dy, w.transpose(1, 2)), torch.bmm(x.transpose(1, 2), dy)
             run.seconds += took.seconds
+        return run.seconds
 
-    times = []
-    for _ in range(reps + 1):
-        run.seconds = 0.0
-        run()
-        times.append(run.seconds)
-    return statistics.median(times[1:]) * 1e3
+    return run
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    machine = machine_info()  # load average at the start; the JSON adds the one at the end
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -149,19 +152,24 @@ def main(argv=None) -> int:
                                            (layer.ffn.last_stats for layer in ours.layers)) // cfg.model.num_layers]
     sides = {"ours": (ours, ours_opt, step_ours), "ours_compiled": (compiled, compiled_opt, step_ours),
              "hf": (hf, hf_opt, step_hf)}
-    times = {side: [] for side in sides}
+    floor_pass = matmul_floor(cfg, rows_per_expert)
+    times = {side: [] for side in [*sides, "floor"]}
     for i in range(args.warmup + args.steps):
         for side, (model, opt, step) in sides.items():
             with timing.wall(tokens.device) as took:
                 step(model, opt, tokens, labels)
             if i >= args.warmup:
                 times[side].append(took.seconds)
+        floor_seconds = floor_pass()  # in turn with the steps, so the ratio sees the same load
+        if i >= args.warmup:
+            times["floor"].append(floor_seconds)
         print(f"step {i + 1}/{args.warmup + args.steps}", file=sys.stderr, flush=True)
     ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
-    floor = matmul_floor_ms(cfg, rows_per_expert)
+    floor = ms.pop("floor")
     print(json.dumps({
         "config": {"overrides": SHAPE + list(args.overrides), "steps": args.steps, "warmup": args.warmup,
                    "torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": dict(machine, load_average=[machine["load_average"], load_average()]),
         "parameters": {"ours": count(ours), "hf": count(hf)},
         "first_step_lm_loss": first, "loss_diff": abs(first["ours"] - first["hf"]),
         "compiled_loss_diff": abs(first["ours"] - first["ours_compiled"]),

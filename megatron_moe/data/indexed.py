@@ -85,8 +85,8 @@ class IndexedDataset:
         self.sequence_lengths = np.frombuffer(self._idx_buf, np.int32, n, off)
         self.sequence_pointers = np.frombuffer(self._idx_buf, np.int64, n, off + 4 * n)
         self.document_indices = np.frombuffer(self._idx_buf, np.int64, d, off + 12 * n)
-        self.sequence_modes = (np.frombuffer(self._idx_buf, np.int8, n, base)
-                               if len(self._idx_buf) == base + n else None)
+        self.sequence_modes = (np.frombuffer(self._idx_buf, np.int8, n, base)  # none to tell without sequences
+                               if n and len(self._idx_buf) == base + n else None)
         if d < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise ValueError(f"{idx}: document indices must start at 0 and end at the sequence count {n}")
         bin_size = os.path.getsize(bin_)
@@ -163,12 +163,12 @@ class IndexedDatasetBuilder:
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
             raise ValueError(f"{idx_path(prefix)}: dtype {other.dtype.name} differs from {self.dtype.name} of {self.prefix}")
-        if self.multimodal != (other.sequence_modes is not None):
+        if len(other) and self.multimodal != (other.sequence_modes is not None):
             raise ValueError(f"{idx_path(prefix)}: sequence modes present in only one of the merged datasets")
         base = len(self._lengths)
         self._lengths.frombytes(other.sequence_lengths.tobytes())
         self._document_indices.frombytes((other.document_indices[1:] + base).tobytes())
-        if self.multimodal:
+        if self.multimodal and len(other):
             self._modes.frombytes(other.sequence_modes.tobytes())
         with open(bin_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._bin, 16 << 20)
@@ -190,8 +190,10 @@ class IndexedDatasetBuilder:
 
 def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> None:
     """Concatenate finished datasets in order into `output_prefix` (Megatron's merge_datasets)."""
-    first = IndexedDataset(prefixes[0])
-    builder = IndexedDatasetBuilder(output_prefix, first.dtype, multimodal=first.sequence_modes is not None)
+    parts = [IndexedDataset(p) for p in prefixes]
+    # a part without sequences (a worker's shard of empty documents, or none) has no modes to tell
+    builder = IndexedDatasetBuilder(output_prefix, parts[0].dtype,
+                                    multimodal=any(d.sequence_modes is not None for d in parts))
     for p in prefixes:
         builder.add_index(p)
     builder.finalize()

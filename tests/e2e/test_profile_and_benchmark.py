@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_moe.config import load_config, validate_config
 from megatron_moe.perf.alpha_beta import fit_alpha_beta
@@ -167,6 +168,10 @@ def test_train_throughput_runs_the_same_model_as_hugging_face():
     assert out["compiled_loss_diff"] < 1e-5  # training.compile computes the same model
     assert min(out["step_ms"].values()) > 0 and set(out["step_ms"]) == {"ours", "ours_compiled", "hf"}
     assert out["matmul_floor_ms"] > 0
+    machine = out["machine"]  # what the numbers depend on (docs/performance.md)
+    assert machine["cpu"] and machine["cpu_cores"] >= machine["usable_cores"] >= 1 and machine["torch_threads"] == 1
+    assert machine["torch"] == torch.__version__ and len(machine["load_average"]) == 2
+    assert machine["cuda_device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 
 def test_recompute_benchmark_keeps_the_loss(one_thread):

@@ -70,6 +70,19 @@ def test_merge_equals_single_write(tmp_path):
         merge_datasets([a, other], str(tmp_path / "bad"))
 
 
+@pytest.mark.parametrize("modes", [False, True])
+def test_merge_with_parts_without_sequences(tmp_path, modes):
+    """tools/preprocess_data.py --workers N on fewer than N lines merges empty parts (no sequence, no
+    way to tell modes); they used to be read as having modes and refused ("present in only one")."""
+    shards = [[], DOCS[:2], [[]], DOCS[2:], []]  # no document; two; one empty document; two; none
+    whole = write(tmp_path / "whole", [doc for shard in shards for doc in shard], np.int32, modes)
+    parts = [write(tmp_path / f"p{i}", shard, np.int32, modes) for i, shard in enumerate(shards)]
+    merge_datasets(parts, str(tmp_path / "merged"))
+    for ext in (".bin", ".idx"):
+        assert open(whole + ext, "rb").read() == open(str(tmp_path / "merged") + ext, "rb").read()
+    assert IndexedDataset(parts[0]).sequence_modes is None and len(IndexedDataset(parts[0])) == 0
+
+
 def test_dtype_for_vocab():
     assert dtype_for_vocab(50257) == np.uint16 and dtype_for_vocab(65500) == np.int32
 
