@@ -75,7 +75,7 @@ def collect(plan: Dict, metrics: Sequence[str], value: str, last_n: int) -> List
     for r in plan["runs"]:
         records = read_records(r["run_dir"])
         status = run_status(r["run_dir"], r["train_iters"])
-        rows.append(RunRow(r["index"], r["name"], r["point"], dict(map(tuple, r["varied"])), status.state,
+        rows.append(RunRow(r["index"], r["name"], r["point"], {k: v for k, v in r["varied"]}, status.state,
                            records[-1]["iteration"] if records else 0, r["train_iters"],
                            {m: reduce_metric(records, m, value, last_n) for m in metrics}, records))
     return rows

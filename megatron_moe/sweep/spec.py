@@ -162,12 +162,10 @@ def _axes(grid: Any, zips: Any) -> List[Axis]:
             raise ConfigError(f"zip[{i}]: the lists vary together and must have one length, got "
                               + ", ".join(f"{k}: {len(v)}" for k, v in zip(keys, lists)))
         axes.append(Axis(keys, tuple(zip(*lists))))
-    seen: Dict[str, str] = {}
-    for axis in axes:
-        for k in axis.keys:
-            if k in seen:
-                raise ConfigError(f"{k} is varied twice (grid and zip, or two zip groups): vary each key in one place")
-            seen[k] = k
+    keys = [k for axis in axes for k in axis.keys]
+    twice = [k for k in keys if keys.count(k) > 1]
+    if twice:
+        raise ConfigError(f"{twice[0]} is varied twice (grid and zip, or two zip groups): vary each key in one place")
     return axes
 
 
@@ -197,7 +195,8 @@ def load_sweep(path: str, sweep_dir: Optional[str] = None) -> SweepSpec:
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
         raise ConfigError(f"overrides must be a list of section.key=value strings, got {overrides!r}")
     for item in overrides:
-        _key(item.split("=", 1)[0].strip(), "overrides")
+        if _key(item.split("=", 1)[0].strip(), "overrides").startswith("launch."):
+            raise ConfigError(f"overrides: {item} is not a config override (resources go in the launch block)")
     seeds = raw.get("seeds") or []
     if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ConfigError(f"seeds must be a list of integers, got {seeds!r}")
@@ -255,7 +254,10 @@ def expand(spec: SweepSpec) -> List[Run]:
         name = ",".join(parts) or "run"
         point = ",".join(p for (k, _), p in zip(varied, parts) if k != SEED_KEY) or "run"
         launch_keys = {k.split(".", 1)[1]: v for k, v in varied if k.startswith("launch.")}
-        launch = make_launch({**spec.launch, **launch_keys}, f"run {name!r}")
+        try:
+            launch = make_launch({**spec.launch, **launch_keys})
+        except ConfigError as exc:
+            raise ConfigError(f"run {name!r}: {exc}") from None
         config = tuple(spec.overrides) + tuple(f"{k}={format_value(v)}" for k, v in varied
                                                if not k.startswith("launch."))
         runs.append(Run(len(runs) + 1, name, point, varied, config, launch,

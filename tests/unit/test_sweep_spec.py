@@ -77,6 +77,9 @@ def test_names_disambiguate_clashing_leaves_and_sanitize_values(tmp_path):
     ({"launch": {"nodes": 2}}, "launch.nodes=2: backend local runs on this machine"),
     ({"grid": {"launch.max_parallel": [1, 2]}}, "launch.max_parallel cannot vary per run"),
     ({"report": {"group_by": "moe.top_k"}}, "report.group_by=moe.top_k is not a varied key"),
+    ({"overrides": ["launch.nproc=2"]}, "overrides: launch.nproc=2 is not a config override"),
+    ({"grid": {"launch.nproc": [2, 3]}, "launch": {"backend": "slurm", "nodes": 2, "time": 5}},
+     "run 'nproc=3': launch.nproc=3 is not a multiple of launch.nodes=2"),
     ({"entry": "pretrain_nothing.py"}, "entry: pretrain_nothing.py is not an entry point"),
     ({"base": "configs/none.yaml"}, "base: configs/none.yaml: no such file"),
 ])
