@@ -13,8 +13,10 @@ Signals, and how they fit submitit's own checkpoint/requeue machinery: the array
 in the batch script, `RunTask` sees no completion marker and requeues its own array task
 (`scontrol requeue`); SLURM restarts it (after `AuthInfo=cred_expire`, 120 s by default) and the
 run resumes from that checkpoint (`checkpoint.load=auto`). Ranks killed by SIGUSR1 / SIGTERM
-before their training loop catches it are requeued alike (`STOPPED`); any other failure is
-recorded with its error line. submitit's handler, which checkpoints a `Checkpointable` and
+before their training loop catches it are requeued alike (`STOPPED`), but only while the job is
+still RUNNING: a job that `scancel` cancelled (SIGTERM to everything), or that SLURM itself times
+out or requeues, is left to SLURM and the run is `interrupted` (a later `run` resumes it). Any
+other failure is recorded with its error line. submitit's handler, which checkpoints a `Checkpointable` and
 requeues at once from rank 0, is not used: it would kill the ranks before they have agreed on a
 stop iteration and saved. The callable is not `Checkpointable`, submitit's signal (USR2) is never
 sent, and the batch process ignores USR1 in case `scancel --batch` or `--full` sends it there.
@@ -22,6 +24,7 @@ sent, and the batch process ignores USR1 in case `scancel --batch` or `--full` s
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +55,13 @@ def require_submitit():
     except ImportError:
         raise ConfigError("launch.backend=slurm needs submitit: pip install -e '.[sweep]'") from None
     return submitit
+
+
+def job_state(job: str) -> str:
+    """SLURM's state of `job` (RUNNING, CANCELLED, TIMEOUT, PREEMPTED, ...), UNKNOWN if it cannot tell."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60)
+    m = re.search(r"\bJobState=(\S+)", out.stdout)
+    return m.group(1) if m else "UNKNOWN"
 
 
 def job_id_here() -> str:
@@ -88,8 +98,12 @@ class RunTask:
         if read_complete_marker(self.run_dir) is not None:
             write_state(self.run_dir, state="done", exit_code=code)
             return "done"
-        if code in STOPPED:  # stopped by a signal (saved when the training loop ran): go on in a new start
-            write_state(self.run_dir, state="requeued", restarts=restarts + 1)
+        if code in STOPPED:  # stopped by a signal (saved when the training loop ran)
+            state = job_state(job)
+            if state != "RUNNING":  # cancelled (scancel), or SLURM ends or requeues it itself: not ours to requeue
+                write_state(self.run_dir, state="stopped", exit_code=code, error=None, job_state=state)
+                return "stopped"
+            write_state(self.run_dir, state="requeued", restarts=restarts + 1)  # go on in a new start
             subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
             return "requeued"
         error = f"exit code {code}: {error_line(log_since(self.run_dir, offset))}"

@@ -166,6 +166,8 @@ def run_status(run_dir: str, train_iters: int, queue: Optional[Dict[str, Tuple[s
                 return RunStatus("running", iteration, eta, f"job {job}{restarts}")
             return RunStatus("pending", iteration, detail=f"job {job} {slurm_state.lower()} ({reason}){restarts}")
         return RunStatus("interrupted", iteration, detail=f"job {job} left the queue unfinished; `run` resumes it")
+    if state == "stopped" and st.get("job_state"):
+        return RunStatus("interrupted", iteration, detail=f"job {job} ended ({st['job_state']}); `run` resumes it")
     if state == "stopped" or iteration > 0:
         return RunStatus("interrupted", iteration, detail="stopped before the end; `run` resumes it")
     return RunStatus("pending", iteration)

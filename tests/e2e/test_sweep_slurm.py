@@ -52,7 +52,10 @@ def test_slurm_job_array_usr1_saves_requeues_and_finishes(slurm_env, tmp_path):
             subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
             assert proc.wait(timeout=400) == 0, Path(log.name).read_text()
         finally:
-            proc.kill()
+            if proc.poll() is None:  # failed: kill what is left (submitit's batch process ignores SIGTERM)
+                proc.kill()
+                subprocess.run(["scancel", "--full", "--signal=KILL", "--name=sweep_sweep"], env=slurm_env,
+                               timeout=30)
         log.seek(0)
         out = log.read()
     elapsed = time.monotonic() - start
