@@ -40,13 +40,20 @@ class NonFiniteError(RuntimeError):
 
 
 class StopRequest:
-    """Records SIGTERM/SIGUSR1 while installed (a context manager; old handlers come back on exit).
+    """Records SIGTERM/SIGUSR1 while installed (a context manager; old handlers come back on exit,
+    unless the ranks stopped on a stop signal: then the process is on its way out and ignores
+    further ones, so that a repeat cannot kill it while it tears down; Slurm's `scancel --signal`
+    on one task of a job array whose other tasks are pending delivers the signal again every few
+    seconds, and a time limit's SIGTERM follows its warning. SIG_IGN, not a Python handler:
+    Python's finalization restores the default action, which kills, for signals with a Python
+    handler).
     Python delivers signals to the main thread only: elsewhere (a trainer driven from a worker
     thread) no handler is installed and only other ranks' flags count."""
 
     def __init__(self, state: ParallelState, device: torch.device):
         self.state, self.device = state, device
         self.signal_name = None
+        self.stopping = False  # a stop signal reached some rank (`agreed`) or this one
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
@@ -61,12 +68,14 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            stopping = self.stopping or self.signal_name is not None
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
 
     def agreed(self) -> bool:
         """True on every rank iff a stop signal reached any rank (collective over `world`)."""
         flag = torch.tensor([int(self.signal_name is not None)], dtype=torch.int32, device=self.device)
-        return bool(collectives.all_reduce(flag, self.state.world, op="max", kind="stop_flag").item())
+        self.stopping = bool(collectives.all_reduce(flag, self.state.world, op="max", kind="stop_flag").item())
+        return self.stopping
 
 
 def all_finite(values: Sequence[float]) -> bool:

@@ -35,6 +35,7 @@ from megatron_moe.data.batches import Batch, collate, global_batch, rank_micro_b
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.launch import default_device
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.training.completion import clear_complete_marker, write_complete_marker
 from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
 from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
@@ -305,16 +306,19 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> List[Record]:
-        """Run `training.train_iters` iterations; return the logged records (on every rank)."""
+        """Run `training.train_iters` iterations; return the logged records (on every rank). Rank 0
+        writes `<run_dir>/complete.json` when the last one is done (not after a stop signal;
+        training/completion.py)."""
         tr = self.cfg.training
         writer = self.state.rank == 0
         if writer:
             save_config(self.cfg, os.path.join(tr.run_dir, "config.yaml"))
+            clear_complete_marker(tr.run_dir)  # training/completion.py: written again when this run finishes
         start = self.load_checkpoint()
         metrics = MetricsLogger(tr.run_dir, writer, self.cfg.logging.tensorboard, tr.train_iters, resume_from=start)
         metrics.print(f"{self.state.describe()} | {sum(p.numel() for p in self.model.parameters()):,} "
                       f"local parameters | {self.num_micro_batches} micro-batches per rank per iteration")
-        records, elapsed = [], 0.0
+        records, elapsed, stopped = [], 0.0, False
         trace = self.routing_trace_writer() if writer and self.cfg.logging.routing_trace else None
         try:
             with StopRequest(self.state, self.device) as stop:
@@ -341,11 +345,14 @@ class Trainer:
                         saved = self.save_checkpoint(iteration)
                     if stopping:
                         self.stop_early(iteration, stop.signal_name, saved, metrics)
+                        stopped = True
                         break
         finally:
             metrics.close()
             if trace is not None:
                 trace.close()
+        if writer and not stopped:
+            write_complete_marker(tr.run_dir, tr.train_iters)
         return records
 
     # -- checkpoints (training/checkpoint.py) -----------------------------------------------------

@@ -100,6 +100,7 @@ def test_stop_signal_finishes_iteration_and_exits_0(tmp_path, nproc, sig, rank, 
     stopped = int(m.group(2))
     logged = records(run_dir)
     assert 2 <= stopped < 500 and logged[-1]["iteration"] == stopped  # the last iteration is logged
+    assert not (run_dir / "complete.json").exists()  # stopped early: no completion marker (docs/sweeps.md)
     assert all(r["skipped_iterations"] == 0 for r in logged)
     if checkpoint:
         saved = re.fullmatch(r"checkpoint saved to (\S+)", m.group(3).strip())
@@ -141,6 +142,7 @@ def test_nan_skip_propagates_from_one_rank(tmp_path):
     assert math.isnan(r2["loss"]) and math.isnan(r2["grad_norm"]) and r2["skipped_iterations"] == 1
     assert math.isfinite(r3["loss"]) and math.isfinite(r3["grad_norm"]) and r3["skipped_iterations"] == 1
     assert "skipped 1 non-finite" in proc.stdout
+    assert json.loads((tmp_path / "complete.json").read_text())["train_iters"] == 3  # reached train_iters
 
 
 
@@ -171,6 +173,7 @@ def test_nan_stop_exits_3_with_message(tmp_path):
         "(training.on_nonfinite=stop)")
     assert [r["iteration"] for r in records(tmp_path)] == [1]
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "complete.json").exists()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The sbatch scripts on a real one-node SLURM cluster (tests/e2e/slurm_cluster.py).
+"""The sbatch scripts on a real one-node SLURM cluster (tests/e2e/slurm_cluster.py,
+started once by the `slurm_env` fixture of tests/e2e/conftest.py).
 
 `sbatch --wait -N1 -n4 scripts/slurm/pretrain_gpt_moe.sbatch --config ... overrides` trains 4 gloo
 ranks started by srun; the job's log and the run's metrics.jsonl are checked. Skips (saying why)
@@ -17,20 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.slurm_cluster import require_slurm, slurm_cluster
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["training.train_iters=3", "training.log_interval=1", "training.eval_interval=0", "model.seq_length=32",
         "parallel.expert=2"]
-
-
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory):
-    require_slurm()
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
-        yield dict(env, PYTHON=sys.executable)
 
 
 def sbatch(env, log_dir: Path, args, timeout=240):
