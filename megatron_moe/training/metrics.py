@@ -49,7 +49,11 @@ def scalars(record: Record) -> Iterator[Tuple[str, float]]:
         if key == "iteration":
             continue
         if isinstance(value, dict):
-            yield from ((f"{key}/{k}", float(v)) for k, v in value.items())
+            for k, v in value.items():
+                if isinstance(v, list):  # e.g. pipeline_compute_ms: {rank: [forward ms, backward ms]}
+                    yield from ((f"{key}/{k}/{i}", float(n)) for i, n in enumerate(v))
+                else:
+                    yield f"{key}/{k}", float(v)
         elif isinstance(value, list):
             for i, v in enumerate(value):
                 if isinstance(v, dict):  # e.g. moe_schedule: {schedule name: forwards} per layer
