@@ -6,7 +6,7 @@ else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-cluster clean
 
 setup: .setup-stamp
 
@@ -20,8 +20,13 @@ setup: .setup-stamp
 demo: setup
 	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo
 
+# everything but the full multi-node set (its two smoke tests run here too)
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not cluster" tests
+
+# the multi-node tests alone, on a two-node SLURM cluster in network namespaces (root; docs/running.md)
+test-cluster: setup
+	$(PY) -m pytest -q tests/e2e/test_two_node.py
 
 clean:
 	rm -rf .setup-stamp runs .pytest_cache
