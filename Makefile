@@ -7,7 +7,7 @@ else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-gpu test-cluster clean
 
 setup: .setup-stamp
 
@@ -21,14 +21,19 @@ setup: .setup-stamp
 demo: setup
 	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo $(ARGS)
 
-# the CPU suite (gloo processes), on the CPU even on a GPU node; the gpu-marked tests are left to test-gpu
+# the CPU suite (gloo processes), on the CPU even on a GPU node; the gpu-marked tests are left to
+# test-gpu, the full multi-node set to test-cluster (its two smoke tests run here too)
 test: setup
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu" tests
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu and not cluster" tests
 
 # on a GPU node (a CUDA build of torch): the same exactness checks on NCCL with one process per GPU,
 # bf16, a benchmark smoke run (README, "On a GPU node"); skipped, with the reason, without GPUs
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu -rs tests
+
+# the multi-node tests alone, on a two-node SLURM cluster in network namespaces (root; docs/running.md)
+test-cluster: setup
+	$(PY) -m pytest -q tests/e2e/test_two_node.py
 
 clean:
 	rm -rf .setup-stamp runs .pytest_cache

@@ -112,8 +112,8 @@ class ParallelConfig:
     # each >= 1, summing to model.num_layers); null = an even split
     pipeline_layers: Optional[List[int]] = None
     backend: str = "auto"  # auto (nccl if CUDA else gloo) | gloo | nccl
-    # ranks per node (consecutive ranks share a node): null = as the launcher placed them
-    # (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node); set it to simulate nodes on one machine
+    # ranks per node (consecutive ranks share a node): null = where the ranks run (their hostnames,
+    # gathered at start-up); on several hosts a value must match that; on one machine it simulates nodes
     ranks_per_node: Optional[int] = None
     timeout_s: float = 600.0  # process-group timeout
 

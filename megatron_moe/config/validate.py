@@ -5,6 +5,8 @@ Each failure is a `ConfigError` whose one-line message names the key(s) and the 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
 
@@ -107,6 +109,26 @@ def validate_config(cfg: Config, world_size: int) -> None:
         if not 0.0 <= getattr(opt, key) < 1.0:
             raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in [0, 1)")
     _check_checkpoint(cfg)
+
+
+def validate_placement(cfg: Config, placement) -> Optional[int]:
+    """The ranks per node of the run: `parallel.ranks_per_node` checked against where the ranks
+    really are (`placement`, a launch.Placement; None = unknown). Ranks on one host: the config's
+    value (null = one node; a value simulates nodes on one machine). On several hosts the ranks must
+    fill them in equal blocks of consecutive ranks, M each (node = rank // M, as RankLayout assumes),
+    and the config must say M or nothing."""
+    configured = cfg.parallel.ranks_per_node
+    if placement is None or len(placement.nodes()) == 1:
+        return configured
+    size = placement.block_size()
+    if size is None:
+        raise ConfigError(f"parallel.ranks_per_node: the ranks are not placed in equal blocks of consecutive ranks per "
+                          f"node ({placement.describe()}); start the same number on every node in block order "
+                          f"(sbatch -N NODES --ntasks-per-node=N, torchrun --nproc-per-node=N)")
+    if configured is not None and configured != size:
+        raise ConfigError(f"parallel.ranks_per_node={configured} contradicts where the ranks run ({placement.describe()}): "
+                          f"set it to {size} or leave it null to take it from the launcher")
+    return size
 
 
 def _check_pipeline(cfg: Config, micro_batches: int) -> None:

@@ -1,7 +1,8 @@
 """Shared `main()` of the pretraining entry points (pretrain_gpt_moe.py, pretrain_bert_moe.py).
 
     --config FILE section.key=value ...  ->  load_config -> validate_config + validate_data_config
-    (before any process group) -> launch.initialize -> ParallelState
+    (+ `parallel.ranks_per_node` against SLURM's placement; before any process group)
+    -> launch.initialize (+ every rank's host) -> validate_placement -> ParallelState
     -> Trainer(cfg, state, model_cls, datasets).train()
 
     --check-config [--world-size N] --config FILE ...  ->  the same checks for N processes, then exit
@@ -12,15 +13,18 @@ A bad config prints one line `config error: ...` to stderr (rank 0) and exits wi
 traceback; so does a checkpoint that `checkpoint.load` names but that cannot be resumed (missing,
 not a checkpoint, corrupt, another model or global batch size): `config error: checkpoint.load=PATH:
 <reason>`. A non-finite loss or gradient with `training.on_nonfinite: stop` prints one line
-`stopped: ...` (rank 0) and exits with code 3 on every rank (`training/failures.py`).
+`stopped: ...` (rank 0) and exits with code 3 on every rank (`training/failures.py`). A host that
+cannot join a multi-node launch (gloo would listen on a loopback address) prints one line
+`launch error: ...` on each of its ranks and exits with code 2.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, List, Optional
 
 from megatron_moe.config import Config, ConfigError, load_config, parse_cli, validate_config
-from megatron_moe.config.validate import checkpoint_load_error, validate_data_config
+from megatron_moe.config.validate import checkpoint_load_error, validate_data_config, validate_placement
 from megatron_moe.distributed import collectives, launch
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.training.failures import NONFINITE_EXIT, CheckpointError, NonFiniteError
@@ -38,6 +42,7 @@ def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "
         cfg = load_config(args.config, args.overrides)
         world_size = args.world_size or info.world_size
         validate_config(cfg, world_size)
+        validate_placement(cfg, launch.placement_from_env(os.environ, world_size))  # SLURM: the job's nodes
         validate_data_config(cfg)
         if args.check_config:
             print(f"config ok: {args.config} on {world_size} process{'es' if world_size > 1 else ''}")
@@ -49,6 +54,9 @@ def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "
     except ConfigError as exc:
         if info.rank == 0:
             print(f"config error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    except launch.LaunchError as exc:  # this host cannot join the launch: every rank that finds it says so
+        print(f"launch error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     except NonFiniteError as exc:
         if info.rank == 0:
@@ -63,9 +71,11 @@ def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> 
     info = launch.initialize(par.backend, par.timeout_s)
     state = None
     try:
+        ranks_per_node = validate_placement(cfg, info.placement)  # the same on every rank
+        if info.rank == 0 and len(info.placement.nodes()) > 1:
+            print(f"placement: {info.placement.describe()}", flush=True)
         layout = RankLayout(world_size=info.world_size, tensor=par.tensor, pipeline=par.pipeline,
-                            expert=par.expert, expert_shard=par.expert_shard,
-                            ranks_per_node=par.ranks_per_node or info.ranks_per_node)
+                            expert=par.expert, expert_shard=par.expert_shard, ranks_per_node=ranks_per_node)
         state = ParallelState.build(layout, info.rank)
         Trainer(cfg, state, model_cls, datasets).train()
         collectives.barrier(state.world)  # no rank tears its connections down while another still uses them

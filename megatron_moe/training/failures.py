@@ -3,7 +3,9 @@
 * Preemption / time limit: SIGTERM or SIGUSR1 (SLURM's `--signal=USR1@180` warning) on any rank
   sets a flag; after every iteration all ranks all-reduce (max) their flags over `world`
   (`COMM_STATS` kind "stop_flag", 4 bytes), so they all stop after the same iteration, save a
-  checkpoint and exit 0.
+  checkpoint and exit 0. Under the sbatch scripts, which name a file in `MEGATRON_MOE_REQUEUE_FILE`,
+  rank 0 then writes the checkpoint's path there when the same command resumes from it
+  (`checkpoint.load: auto`, iterations left): the job script requeues the job (`request_requeue`).
 * Non-finite loss or gradient: the global grad norm and the loss are identical on every rank, so
   every rank takes the same decision without communication: `training.on_nonfinite: skip` drops
   the update and counts it, `stop` raises `NonFiniteError` (exit code 3 from the entry point).
@@ -17,9 +19,10 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,6 +36,7 @@ class CheckpointError(ValueError):
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NONFINITE_EXIT = 3
+REQUEUE_FILE_ENV = "MEGATRON_MOE_REQUEUE_FILE"  # set by scripts/slurm/srun_pretrain.sh
 
 
 class NonFiniteError(RuntimeError):
@@ -80,3 +84,20 @@ class StopRequest:
 
 def all_finite(values: Sequence[float]) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+def request_requeue(checkpoint: Optional[str], load: Optional[str], iterations_left: int,
+                    env=os.environ) -> Optional[str]:
+    """Rank 0, after a stop signal saved `checkpoint`: ask the job script to requeue the job by
+    writing the checkpoint's path to the file `MEGATRON_MOE_REQUEUE_FILE` names, if the requeued
+    job, the same command, resumes from it (`checkpoint.load` = `load` is auto) and has iterations
+    left. Returns what happens, for the stop message (None outside such a job script)."""
+    path = env.get(REQUEUE_FILE_ENV)
+    if not path or checkpoint is None or iterations_left <= 0:
+        return None
+    if load != "auto":
+        return "the job is not requeued (a requeued job resumes only with checkpoint.load=auto)"
+    with open(path + ".tmp", "w") as f:
+        f.write(checkpoint + "\n")
+    os.replace(path + ".tmp", path)
+    return "the job script requeues the job, which resumes from it (checkpoint.load=auto)"

@@ -42,7 +42,7 @@ from megatron_moe.training.lr import LR_SCHEDULES
 from megatron_moe.moe.stats import IterationMoEStats
 from megatron_moe.moe.vexperts import MOVE_KIND
 from megatron_moe.moe.schedules import A2A_KINDS
-from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite
+from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite, request_requeue
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
 from megatron_moe.training.pipeline import ChunkOutput, PipelineRunner
@@ -241,6 +241,8 @@ class Trainer:
         vexperts = self.vexpert_metrics(moe_layers, moves) if self.uses_vexperts else {}
         after = collectives.COMM_STATS.bytes_by_kind()  # the moves and the all-gather ran after the snapshot above
         comm_bytes.update({k: v for k, v in after.items() if k in LATE_KINDS})
+        after = collectives.COMM_STATS.inter_node_bytes_by_kind()  # the moves' part to other nodes
+        inter_node.update({k: v for k, v in after.items() if k in LATE_KINDS})
         for key, seconds in collectives.COMM_STATS.seconds_by_kind(resolve=False).items():
             comm_times[key].update({k: v for k, v in seconds.items() if k in LATE_KINDS})
         self.latest_moe = moe  # for `step_details`
@@ -384,6 +386,9 @@ class Trainer:
         if saved is None and self.cfg.checkpoint.dir:
             saved = self.save_checkpoint(iteration)
         outcome = f"checkpoint saved to {saved}" if saved else "no checkpoint written (checkpoint.dir is not set)"
+        if self.state.rank == 0:
+            requeue = request_requeue(saved, self.cfg.checkpoint.load, self.cfg.training.train_iters - iteration)
+            outcome += f"; {requeue}" if requeue else ""
         metrics.print(f"{signal_name or 'a stop signal on another rank'}: stopped after iteration {iteration}; {outcome}")
 
     # -- routing traces and load pictures ------------------------------------------------------------

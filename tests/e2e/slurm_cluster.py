@@ -45,17 +45,22 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def require_slurm(tools: Sequence[str] = DAEMONS + CLIENTS, need_root: bool = True) -> None:
-    """In a test: return if SLURM is usable (`unavailable_reason`), else skip the test saying why,
-    or fail it under CI=true."""
+def require(reason: Optional[str]) -> None:
+    """In a test: return if `reason` (why the machine cannot run it) is None, else skip the test
+    saying why, or fail it under CI=true."""
     import pytest
 
-    reason = unavailable_reason(tools, need_root)
     if reason is None:
         return
     if in_ci():
         pytest.fail(f"{reason} [CI=true: the SLURM tests must run]", pytrace=False)
     pytest.skip(reason)
+
+
+def require_slurm(tools: Sequence[str] = DAEMONS + CLIENTS, need_root: bool = True) -> None:
+    """In a test: return if SLURM is usable (`unavailable_reason`), else skip the test saying why,
+    or fail it under CI=true."""
+    require(unavailable_reason(tools, need_root))
 
 
 def _die_with_parent() -> None:
@@ -79,24 +84,24 @@ def _write_munge_key(path: Path) -> None:
     path.chmod(0o400)
 
 
-def _slurm_conf(d: Path, node: str, cpus: int, munge_socket: Path) -> str:
+def _common_conf(d: Path, munge_socket: Path, slurmd_timeout: int = 300, cred_expire: int = 120) -> str:
+    """slurm.conf lines every test cluster shares: root daemons, munge on `munge_socket`, state,
+    spool, pid and log files under `d` (the slurmd files per node, `%n`), no cgroups or accounting.
+    `slurmd_timeout`: seconds before slurmctld marks a silent node DOWN; `cred_expire`: a job step
+    credential's lifetime, also how long a requeued job waits before it may start again."""
     return f"""\
-ClusterName=megatron-moe-test
-SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire also delays a requeued job's restart (cred_expire + 1 s; Slurm's default 120 s)
-AuthInfo=socket={munge_socket},cred_expire=10
+AuthInfo=socket={munge_socket},cred_expire={cred_expire}
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -110,9 +115,20 @@ SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
+SlurmdTimeout={slurmd_timeout}
 KillWait=10
 # a small MinJobAge makes `sbatch --wait` poll every 2 s (else after 2, 8, 32, ... s)
 MinJobAge=4
+"""
+
+
+def _slurm_conf(d: Path, node: str, cpus: int, munge_socket: Path) -> str:
+    return f"""\
+ClusterName=megatron-moe-test
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+{_common_conf(d, munge_socket, cred_expire=10)}\
 NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
@@ -161,16 +177,16 @@ def _cancel_all(env: Dict[str, str], timeout: float = 30.0) -> None:
 def slurm_cluster(workdir: Path, cpus: int = 8, timeout: float = 60.0) -> Iterator[Dict[str, str]]:
     """Start the cluster in `workdir`, yield the environment for client commands, tear it down."""
     d = Path(workdir).resolve()
-    for sub in ("munge", "state", "spool"):
+    node = socket.gethostname().split(".")[0]
+    for sub in ("munge", "state", f"spool/{node}"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     (d / "munge").chmod(0o700)
-    node = socket.gethostname().split(".")[0]
     munge_socket = d / "munge" / "munge.socket"
     _write_munge_key(d / "munge" / "munge.key")
     conf = d / "slurm.conf"
     conf.write_text(_slurm_conf(d, node, cpus, munge_socket))
     env = dict(os.environ, SLURM_CONF=str(conf), PATH=SEARCH_PATH)
-    logs = [d / "munge" / "munged.log", d / "slurmctld.log", d / "slurmd.log"]
+    logs = [d / "munge" / "munged.log", d / "slurmctld.log", d / f"slurmd-{node}.log"]
     procs: List[subprocess.Popen] = []
     try:
         procs.append(_start(["munged", "--foreground", "--force", f"--socket={munge_socket}",

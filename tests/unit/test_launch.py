@@ -1,11 +1,16 @@
 """launch.py: torchrun / SLURM environment parsing, SLURM host lists, backend and device choice."""
 import os
+import socket
 import subprocess
 
 import pytest
 
-from megatron_moe.distributed.launch import (LaunchInfo, detect_launch, expand_nodelist, local_device_index,
-                                             pick_backend, slurm_master, world_size_from_env)
+from megatron_moe.config import ConfigError, load_config
+from megatron_moe.config.validate import validate_placement
+from megatron_moe.distributed.launch import (LaunchInfo, Placement, detect_launch, expand_nodelist, gather_placement,
+                                             local_device_index, pick_backend, placement_from_env, route_address,
+                                             slurm_master, spans_nodes, tasks_per_node_from_env, world_size_from_env,
+                                             gloo_address_problem)
 from tests.e2e.slurm_cluster import require_slurm
 
 # What `srun` sets for task 5 of a 2-node x 4-task step (copied from a real step's environment).
@@ -107,3 +112,85 @@ def test_local_device_index():
     assert local_device_index(5, 1) == 0  # --gpus-per-task=1: each task sees only its own GPU
     with pytest.raises(ValueError, match="local rank 4 has no GPU"):
         local_device_index(4, 4)
+
+
+def test_tasks_per_node_from_slurm_lists():
+    assert tasks_per_node_from_env({"SLURM_TASKS_PER_NODE": "2(x3),1"}) == [2, 2, 2, 1]
+    assert tasks_per_node_from_env({"SLURM_TASKS_PER_NODE": "4", "SLURM_STEP_TASKS_PER_NODE": "3,1"}) == [3, 1]
+    assert tasks_per_node_from_env({"SLURM_TASKS_PER_NODE": "2(3)"}) is None
+    assert tasks_per_node_from_env({}) is None
+
+
+def test_placement_from_slurm_env_is_block_order():
+    env = dict(SRUN_ENV, SLURM_TASKS_PER_NODE="4(x2)")
+    assert placement_from_env(env, 8).hosts == ("node03",) * 4 + ("node04",) * 4
+    assert placement_from_env(env, 8).block_size() == 4
+    assert placement_from_env(dict(env, SLURM_STEP_TASKS_PER_NODE="5,3"), 8).block_size() is None
+    assert placement_from_env(env, 6) is None  # not this job's task count
+    assert placement_from_env(dict(env, SLURM_DISTRIBUTION="cyclic"), 8) is None  # unknown before the ranks run
+    assert placement_from_env({"RANK": "0", "WORLD_SIZE": "8"}, 8) is None
+
+
+def test_placement_describes_nodes_and_ranks():
+    p = Placement(("a", "a", "b", "b"), ("10.0.0.1 (eth0)",) * 2 + ("10.0.0.2 (eth0)",) * 2)
+    assert p.nodes() == [("a", [0, 1]), ("b", [2, 3])] and p.block_size() == 2
+    assert p.describe() == "2 nodes: a 10.0.0.1 (eth0) ranks 0-1; b 10.0.0.2 (eth0) ranks 2-3"
+    cyclic = Placement(("a", "b", "a", "b", "a"))
+    assert cyclic.block_size() is None and cyclic.describe() == "2 nodes: a ranks 0,2,4; b ranks 1,3"
+    assert Placement(("a", "a", "a", "b")).describe() == "2 nodes: a ranks 0-2; b rank 3"
+
+
+def _cfg(ranks_per_node=None):
+    cfg = load_config("configs/gpt_moe_tiny.yaml")
+    cfg.parallel.ranks_per_node = ranks_per_node
+    return cfg
+
+
+def test_ranks_per_node_follows_the_real_placement():
+    two_nodes = Placement(("a", "a", "b", "b"))
+    assert validate_placement(_cfg(), two_nodes) == 2  # null: from where the ranks run
+    assert validate_placement(_cfg(2), two_nodes) == 2
+    assert validate_placement(_cfg(), Placement(("a",) * 4)) is None  # one node
+    assert validate_placement(_cfg(2), Placement(("a",) * 4)) == 2  # one machine: simulated nodes
+    assert validate_placement(_cfg(2), None) == 2
+    with pytest.raises(ConfigError, match=r"^parallel.ranks_per_node=4 contradicts where the ranks run \(2 nodes: a "
+                                          r"ranks 0-1; b ranks 2-3\): set it to 2 or leave it null"):
+        validate_placement(_cfg(4), two_nodes)
+    with pytest.raises(ConfigError, match=r"^parallel.ranks_per_node: the ranks are not placed in equal blocks of "
+                                          r"consecutive ranks per node \(2 nodes: a ranks 0,2; b ranks 1,3\)"):
+        validate_placement(_cfg(), Placement(("a", "b", "a", "b")))
+    with pytest.raises(ConfigError, match="not placed in equal blocks"):
+        validate_placement(_cfg(), Placement(("a", "a", "a", "b")))
+
+
+def test_single_process_placement_is_this_host():
+    info = detect_launch({})
+    placement = gather_placement(info)
+    assert placement.nodes() == [(socket.gethostname(), [0])]
+    assert route_address("127.0.0.1", 29500) == "127.0.0.1 (lo)"
+    assert route_address("no-such-host.invalid", 1) == ""
+
+
+def test_spans_nodes():
+    assert spans_nodes({"SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "2"})
+    assert not spans_nodes({"SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_NUM_NODES": "2"})  # this step: one node
+    assert not spans_nodes({})
+    assert not spans_nodes({"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})  # maybe one machine
+    assert not spans_nodes({"RANK": "0", "WORLD_SIZE": "8", "SLURM_JOB_NUM_NODES": "2"})  # torchrun wins
+
+
+def test_gloo_on_a_loopback_address_is_refused_naming_the_fix():
+    def resolver(table):
+        def resolve(name):
+            if name not in table:
+                raise socket.gaierror(-2, "Name or service not known")
+            return table[name]
+        return resolve
+
+    assert gloo_address_problem({}, "n1", resolver({"n1": "10.0.0.1"})) is None
+    assert gloo_address_problem({"GLOO_SOCKET_IFNAME": "eth0"}, "n1", resolver({"n1": "127.0.1.1"})) is None
+    assert gloo_address_problem({}, "n1", resolver({"n1": "127.0.1.1"})) == (
+        "gloo would listen on a loopback address on n1 (its name resolves to 127.0.1.1), which the other nodes cannot "
+        "reach: set GLOO_SOCKET_IFNAME to the interface toward the other nodes, or map n1 to that interface's address "
+        "(DNS, /etc/hosts)")
+    assert "(its name does not resolve)" in gloo_address_problem({}, "n1", resolver({}))

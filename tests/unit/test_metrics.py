@@ -24,7 +24,8 @@ def test_resume_keeps_records_up_to_the_checkpoint(tmp_path):
 
 def test_scalars_flatten_nested_records():
     record = {"iteration": 7, "loss": 1.5, "comm_bytes": {"all_to_all": 8},
-              "expert_load_imbalance": [1.25, 1.0], "moe_schedule": [{"s1": 3, "s2": 1}]}
+              "expert_load_imbalance": [1.25, 1.0], "moe_schedule": [{"s1": 3, "s2": 1}],
+              "pipeline_compute_ms": {"rank0": [2.5, 4.0]}}  # with pipeline stages: [forward, backward] per rank
     assert dict(scalars(record)) == {"loss": 1.5, "comm_bytes/all_to_all": 8.0,
                                      "expert_load_imbalance/layer0": 1.25, "expert_load_imbalance/layer1": 1.0,
                                      "moe_schedule/layer0/s1": 3.0, "moe_schedule/layer0/s2": 1.0}
