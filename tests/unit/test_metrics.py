@@ -28,7 +28,8 @@ def test_scalars_flatten_nested_records():
               "pipeline_compute_ms": {"rank0": [2.5, 4.0]}}  # with pipeline stages: [forward, backward] per rank
     assert dict(scalars(record)) == {"loss": 1.5, "comm_bytes/all_to_all": 8.0,
                                      "expert_load_imbalance/layer0": 1.25, "expert_load_imbalance/layer1": 1.0,
-                                     "moe_schedule/layer0/s1": 3.0, "moe_schedule/layer0/s2": 1.0}
+                                     "moe_schedule/layer0/s1": 3.0, "moe_schedule/layer0/s2": 1.0,
+                                     "pipeline_compute_ms/rank0/forward": 2.5, "pipeline_compute_ms/rank0/backward": 4.0}
 
 
 # the fields each option adds, in the shapes Trainer.train_step / step_details / evaluate emit them

@@ -12,6 +12,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group
 from megatron_moe.moe.lancet import WGradScheduler
 from megatron_moe.perf import timing
+from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.timing import DeviceClock, Duration
 from megatron_moe.training.metrics import PhaseTimer
 
@@ -222,7 +223,7 @@ def test_phase_timer_and_stopwatch(gpu):
 def test_lancet_learns_dw_times_from_events_without_waiting_in_backward(gpu):
     """WGradScheduler times each dW with events; a time enters the seconds-per-FLOP average once
     the GPU has run it (a later dW finds it fired), never by waiting."""
-    scheduler = WGradScheduler(seconds_per_flop=1.0)
+    scheduler = WGradScheduler(AlphaBeta(alpha=0.0, beta=0.0), seconds_per_flop=1.0)
     scheduler._run(1e3, lambda: gpu.kernel(2.0))
     assert scheduler.seconds_per_flop == 1.0 and gpu.reads() == [("query", 1)]  # not run yet: unchanged
     gpu.catch_up()
