@@ -170,7 +170,8 @@ class ForwardPartitioner:
 
     def measure(self, layers, x: torch.Tensor, padding_mask, repeats: int = 2) -> List[Instruction]:
         """Every sublayer's forward time for one of k parts (k = 1..max), MoE FFNs split into
-        compute and all-to-all; the maximum over all ranks, so every rank plans the same segments.
+        compute and all-to-all; the maximum over the pipeline stage's ranks (its dp x tp grid), so
+        every rank that runs these layers plans the same segments.
         Runs without autograd and dropout, and leaves the communication counters as they were."""
         max_parts = min(self.max_parts, x.shape[0])
         names = op_names(layers)
