@@ -134,7 +134,6 @@ def test_deferred_wgrad_equals_reference(world, layout_kwargs, backend, spawned)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
 def test_deferred_wgrad_without_a_profile_has_a_finite_budget(world, layout_kwargs, spawned):
     """Review issue #27 item 4: without a profile, start-up calibration is asked for the all-to-all
@@ -147,8 +146,8 @@ def test_deferred_wgrad_without_a_profile_has_a_finite_budget(world, layout_kwar
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "tp2-ep2-esp2"])
 def test_partitioned_forward_equals_unpartitioned_single_process(world, layout_kwargs, backend, spawned):
     runs = [run for run in PARTITION_RUNS if LAYOUTS[run[0]][1] == layout_kwargs]
     per_rank = [model for _, model, _ in spawned(world, backend)[str(layout_kwargs)]]  # [rank][run]
