@@ -66,6 +66,7 @@ def run_config(run, layout: dict) -> Config:
     cfg.moe.flexmoe.threshold = 1.0
     cfg.parallel.tensor, cfg.parallel.expert = layout.get("tensor", 1), layout.get("expert", 1)
     cfg.parallel.expert_shard = layout.get("expert_shard", 1)
+    cfg.moe.saa = saa and (schedule != "s2" or cfg.parallel.tensor > 1)  # S2 + SAA is refused at tensor 1
     cfg.perf.hardware_profile = PROFILE
     return cfg
 
