@@ -77,7 +77,8 @@ def validate(args, world: int, tmp: str) -> dict:
              "--min-elements", "4096", "--max-elements", str(1 << 19), "--points", "5", "--reps", str(args.reps),
              "--rows", "64,512,4096", "--links", "--out", profile_path)
     print(f"{world} processes: timing the layer", flush=True)
-    out = json.loads(torchrun(world, "benchmarks/moe_layer.py", *flags, "--rows", ",".join(ROWS), "--balancer",
+    rows = [row for row in ROWS if row != "s2_saa" or layout["tensor"] > 1]  # S2 + SAA is refused at tensor 1
+    out = json.loads(torchrun(world, "benchmarks/moe_layer.py", *flags, "--rows", ",".join(rows), "--balancer",
                               ",".join(args.balancers), "--skew", str(args.skew), "--min-shadow", "1",
                               "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
                               "--ffn", str(args.ffn), "--experts", str(args.experts), "--reps", str(args.reps),
