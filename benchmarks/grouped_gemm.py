@@ -67,7 +67,7 @@ class _RunNow:
     """A `WGradScheduler` stand-in that runs each dW at once (forces the own-dW path)."""
 
     @staticmethod
-    def defer(flops, work):
+    def defer(flops, work, params):
         work()
 
 
