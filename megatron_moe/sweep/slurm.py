@@ -11,7 +11,8 @@ Signals, and how they fit submitit's own checkpoint/requeue machinery: the array
 `scancel --signal=USR1`) delivers to the job steps: the ranks. The trainer's handler
 (training/failures.py) finishes the iteration, saves a checkpoint and exits 0 on every rank. Back
 in the batch script, `RunTask` sees no completion marker and requeues its own array task
-(`scontrol requeue`); SLURM restarts it (after `AuthInfo=cred_expire`, 120 s by default) and the
+(`scontrol requeue`; it runs scripts/slurm/srun_pretrain.sh with `MEGATRON_MOE_REQUEUE=caller`, so
+the script leaves the requeue to it); SLURM restarts it (after `AuthInfo=cred_expire`, 120 s by default) and the
 run resumes from that checkpoint (`checkpoint.load=auto`). Ranks killed by SIGUSR1 / SIGTERM
 before their training loop catches it are requeued alike (`STOPPED`), but only while the job is
 still RUNNING: a job that `scancel` cancelled (SIGTERM to everything), or that SLURM itself times
@@ -94,7 +95,7 @@ class RunTask:
             log.write(f"===== {now()} sweep job {job} (restart {restarts}): {' '.join(cmd)}\n")
             log.flush()
             code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
-                                   env=dict(os.environ, PYTHON=sys.executable))
+                                   env=dict(os.environ, PYTHON=sys.executable, MEGATRON_MOE_REQUEUE="caller"))
         if read_complete_marker(self.run_dir) is not None:
             write_state(self.run_dir, state="done", exit_code=code)
             return "done"

@@ -32,17 +32,21 @@ echo "[$(date '+%F %T')] job $SLURM_JOB_ID ($SLURM_JOB_NAME): $ntasks tasks on $
   "master $MASTER_ADDR:$MASTER_PORT, OMP_NUM_THREADS=$OMP_NUM_THREADS"
 echo "command: $PYTHON $ROOT/$ENTRY $*"
 # Rank 0 (on this, the job's first node) writes the checkpoint's path here when a stop signal ended
-# the ranks with a checkpoint that a requeued job resumes from (checkpoint.load=auto).
-requeue_dir=$(mktemp -d "${TMPDIR:-/tmp}/megatron_moe-$SLURM_JOB_ID.XXXXXX")
-trap 'rm -rf "$requeue_dir"' EXIT
-export MEGATRON_MOE_REQUEUE_FILE=$requeue_dir/requeue
+# the ranks with a checkpoint that a requeued job resumes from (checkpoint.load=auto). A caller that
+# requeues the job itself (tools/sweep.py's array tasks) sets MEGATRON_MOE_REQUEUE=caller.
+unset MEGATRON_MOE_REQUEUE_FILE
+if [ "${MEGATRON_MOE_REQUEUE:-script}" = script ]; then
+  requeue_dir=$(mktemp -d "${TMPDIR:-/tmp}/megatron_moe-$SLURM_JOB_ID.XXXXXX")
+  trap 'rm -rf "$requeue_dir"' EXIT
+  export MEGATRON_MOE_REQUEUE_FILE=$requeue_dir/requeue
+fi
 status=0
 "$PYTHON" "$ROOT/$ENTRY" --check-config --world-size "$ntasks" "$@" || status=$?  # once, before any rank
 if [ "$status" -eq 0 ]; then
   srun --kill-on-bad-exit=1 --label "$PYTHON" -u "$ROOT/$ENTRY" "$@" || status=$?
 fi
 echo "[$(date '+%F %T')] job $SLURM_JOB_ID finished with exit code $status"
-if [ "$status" -eq 0 ] && [ -f "$MEGATRON_MOE_REQUEUE_FILE" ]; then
+if [ "$status" -eq 0 ] && [ -f "${MEGATRON_MOE_REQUEUE_FILE:-}" ]; then
   echo "[$(date '+%F %T')] requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) to resume from" \
     "$(cat "$MEGATRON_MOE_REQUEUE_FILE")"
   # on success slurmctld ends this script; --no-requeue jobs are refused
