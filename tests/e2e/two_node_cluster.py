@@ -325,7 +325,7 @@ def _teardown(cluster: TwoNodeCluster, bridge: str, had_netns_mount: bool) -> No
     _stop(list(cluster.procs.values()))
     names = [n.netns for n in cluster.nodes]
     survivors = {ns: _kill_all_in(ns) for ns in names if ns in _netns_names()}
-    _remove(names, [bridge])
+    _remove(names, [bridge] + [n.veth for n in cluster.nodes])  # and wait until the veths are gone too
     for sub in ("munge", "state", "spool"):
         shutil.rmtree(cluster.workdir / sub, ignore_errors=True)
     _undo_netns_mount(had_netns_mount)
