@@ -234,15 +234,15 @@ def test_one_layer_times_by_hand(cluster_profile, tmp_path):
                                                   ("flexmoe", 11)])
 def test_scale_target_with_a_generous_bound(balancer, iterations, one_thread):
     """1024 simulated GPUs, 256 experts, every balancer (the vExpert ones decide at iteration 10):
-    under 1 s per iteration here, a generous bound (the benchmark's target is 0.3 s per iteration:
+    under 1 s of CPU time per iteration (one thread; other jobs on the cores do not count), a generous bound (the benchmark's target is 0.3 s per iteration:
     100 in < 30 s on an idle machine, benchmarks/simulate_scale.py)."""
     sys.path.insert(0, "benchmarks")
     import simulate_scale
 
     profile = load_profile("configs/hardware/flexmoe_azure_a100.yaml")
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other jobs on the cores do not count
     result = simulate_scale.measure(balancer, 1024, iterations, profile)
-    assert time.perf_counter() - start < 1.0 * iterations and result["predicted_iteration_ms"] > 0
+    assert time.process_time() - start < 1.0 * iterations and result["predicted_iteration_ms"] > 0
     if balancer == "none":
         assert all(b > 1.5 for b in result["balance_ratio"])  # Zipf routing on 64 EP ranks is imbalanced
 
