@@ -117,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rows = [r for r in args.rows.split(",") if r]
     if args.tensor == 1 and "s2_saa" in args.rows:  # refused by the config loader (docs/parm.md)
         if rows_given:
-            p.error("--rows s2_saa needs --tensor > 1: SAA overlaps S2's second all-gather, which tensor 1 does not have")
+            p.error("--rows s2_saa needs --tensor > 1: SAA overlaps S2's all-gather, which tensor 1 does not have")
         args.rows.remove("s2_saa")
         print("moe_layer: row s2_saa left out at --tensor 1 (no all-gather for SAA to overlap)", file=sys.stderr)
     args.balancer = [b for b in args.balancer.split(",") if b]

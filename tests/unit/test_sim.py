@@ -234,8 +234,9 @@ def test_one_layer_times_by_hand(cluster_profile, tmp_path):
                                                   ("flexmoe", 11)])
 def test_scale_target_with_a_generous_bound(balancer, iterations, one_thread):
     """1024 simulated GPUs, 256 experts, every balancer (the vExpert ones decide at iteration 10):
-    under 1 s of CPU time per iteration (one thread; other jobs on the cores do not count), a generous bound (the benchmark's target is 0.3 s per iteration:
-    100 in < 30 s on an idle machine, benchmarks/simulate_scale.py)."""
+    under 1 s of CPU time per iteration (one thread; other jobs on the cores do not count), a
+    generous bound (the benchmark's target is 0.3 s per iteration: 100 in < 30 s on an idle
+    machine, benchmarks/simulate_scale.py)."""
     sys.path.insert(0, "benchmarks")
     import simulate_scale
 
