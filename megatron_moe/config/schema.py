@@ -17,6 +17,10 @@ class ModelConfig:
     hidden_size: int = 64
     ffn_hidden_size: int = 256  # dense FFN width (non-MoE layers)
     num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # grouped-query attention: key/value heads (divides the heads); null = MHA
+    head_dim: Optional[int] = None  # per-head width (Megatron kv_channels); null = hidden_size / num_attention_heads
+    qk_norm: str = "none"  # none | head (Qwen3: RMSNorm of each q / k head) | full (OLMoE: RMSNorm of the whole q / k projection)
+    qkv_bias: Optional[bool] = None  # biases of the q/k/v projection; null = model.bias (Qwen2-MoE: true, rest false)
     seq_length: int = 64
     vocab_size: int = 256  # padded up to a multiple of `parallel.tensor` internally
     dropout: float = 0.0  # attention-probability, residual and embedding dropout

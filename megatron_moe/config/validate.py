@@ -9,6 +9,7 @@ from typing import Optional
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
+from megatron_moe.model.attention import check_attention_config
 
 CHOICES = {
     "model.normalization": ("layernorm", "rmsnorm"),
@@ -80,11 +81,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"parallel.expert*parallel.expert_shard={par.expert}*{par.expert_shard} does not divide the "
             f"{stage_size} ranks of a pipeline stage (world size {world_size} / parallel.pipeline)")
-    _divides("parallel.tensor", par.tensor, "model.num_attention_heads", m.num_attention_heads)
-    _divides("model.num_attention_heads", m.num_attention_heads, "model.hidden_size", m.hidden_size)
-    if m.position_embedding == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError("model.position_embedding=rope needs an even head dimension "
-                          "(model.hidden_size / model.num_attention_heads)")
+    check_attention_config(m, par.tensor)
     _divides("parallel.tensor", par.tensor, "model.ffn_hidden_size", m.ffn_hidden_size)
     ffn_key = "moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
     _divides("parallel.expert_shard", par.expert_shard, ffn_key, expert_ffn_hidden_size(cfg))
