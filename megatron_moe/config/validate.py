@@ -9,7 +9,6 @@ from typing import Optional
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
-from megatron_moe.model.attention import check_attention_config
 
 CHOICES = {
     "model.normalization": ("layernorm", "rmsnorm"),
@@ -81,7 +80,13 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"parallel.expert*parallel.expert_shard={par.expert}*{par.expert_shard} does not divide the "
             f"{stage_size} ranks of a pipeline stage (world size {world_size} / parallel.pipeline)")
+    # rules kept next to the code they guard (imported here: the model imports the config package)
+    from megatron_moe.model.attention import check_attention_config
+    from megatron_moe.moe.router import check_router_config
+    from megatron_moe.moe.shared_expert import check_shared_expert_config
     check_attention_config(m, par.tensor)
+    check_router_config(moe)
+    check_shared_expert_config(cfg)
     _divides("parallel.tensor", par.tensor, "model.ffn_hidden_size", m.ffn_hidden_size)
     ffn_key = "moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
     _divides("parallel.expert_shard", par.expert_shard, ffn_key, expert_ffn_hidden_size(cfg))
