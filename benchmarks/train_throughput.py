@@ -32,7 +32,8 @@ import tempfile
 import torch
 
 from megatron_moe.config import load_config
-from megatron_moe.convert.hf_mixtral import hf_config, to_hf, write_hf_dir
+from megatron_moe.convert.hf_common import write_hf
+from megatron_moe.convert.hf_mixtral import MIXTRAL
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
@@ -66,7 +67,8 @@ def build_hf(cfg, ours):
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:  # through HF's loader, which maps the checkpoint layout
-        write_hf_dir(tmp, hf_config(cfg), to_hf(cfg, {n: p.detach() for n, p in ours.named_parameters()}))
+        weights = {n: p.detach() for n, p in ours.named_parameters()}
+        write_hf(tmp, MIXTRAL, cfg, weights, lambda i: weights)
         hf = transformers.MixtralForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     hf.train()
     o = cfg.optimizer

@@ -44,7 +44,7 @@ def test_export_hf_matches_transformers_and_round_trips(mixtral_ckpt, tmp_path):
     # import -> export is bit-identical; the imported checkpoint is the same model
     offline.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
     offline.export_hf(str(tmp_path / "imported"), str(tmp_path / "hf2"))
-    first, second = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "hf2"))
+    first, second = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("hf", "hf2"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == \
@@ -59,7 +59,8 @@ def test_export_hf_refuses_non_mixtral_naming_the_option(tmp_path):
                            str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: not Mixtral-shaped: model.normalization=layernorm (Mixtral uses rmsnorm)"
+    assert proc.stderr.strip() == ("error: not MixtralForCausalLM-shaped: model.normalization=layernorm "
+                                   "(MixtralForCausalLM uses rmsnorm)")
 
 
 def test_upcycled_moe_equals_dense_model(tmp_path):
