@@ -56,10 +56,10 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.cross_layer import link_moe_layers
+from megatron_moe.techniques.proprophet.cross_layer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
-from megatron_moe.moe.schedules.parm import Auto
+from megatron_moe.techniques.parm.parm import Auto
 from megatron_moe.perf.calibrate import resolve_hardware_profile
 from megatron_moe.perf.timing import init_state, slowest_rank_seconds
 
@@ -154,7 +154,7 @@ def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: 
 
 class LayerStack(torch.nn.Module):
     """--layers MoE layers in a row (x -> layer 1 -> ... -> layer N), linked for cross-layer
-    scheduling (`moe/cross_layer.py`); `last_stats`: loads and replicas summed over the layers."""
+    scheduling (`techniques/proprophet/cross_layer.py`); `last_stats`: loads and replicas summed over the layers."""
 
     def __init__(self, layers):
         super().__init__()

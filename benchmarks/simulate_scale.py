@@ -24,7 +24,7 @@ from megatron_moe.config import load_config
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import load_profile
-from megatron_moe.sim.report import summarize
+from megatron_moe.sim.results import summarize
 from megatron_moe.sim.runner import Simulation
 
 MODEL = ["model.num_layers=4", "model.hidden_size=1024", "model.ffn_hidden_size=4096", "model.num_attention_heads=16",

@@ -20,7 +20,7 @@ import torch
 
 from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import load_profile
-from megatron_moe.sim.report import summarize
+from megatron_moe.sim.results import summarize
 from megatron_moe.sim.runner import simulate
 from paper_figures import (FASTERMOE_FIG13, FLEXMOE_FIG5, LANCET_FIG13, PARM_TABLE_IV,
                            PROPROPHET_TABLES)

@@ -253,7 +253,7 @@ def tokenizer_spec(cfg: Config):
 
 
 def _check_parm(cfg: Config) -> None:
-    """Parm and balancer options (moe/schedules/parm.py, moe/balancers/): SAA belongs to S2 with an MP
+    """Parm and balancer options (techniques/parm/parm.py, moe/balancers/): SAA belongs to S2 with an MP
     group (auto picks S1 when parallel.tensor=1, so auto + SAA never runs SAA there); auto's
     pick must agree over TP and ep_esp groups; a given hardware profile must have what the
     configured techniques' models need (without one, they are calibrated at start-up)."""
@@ -269,7 +269,7 @@ def _check_parm(cfg: Config) -> None:
                           "(its N_EP phases would be pure overhead); set moe.saa=false")
     ep_esp = par.expert * par.expert_shard
     if moe.schedule == "auto" and par.tensor % ep_esp and ep_esp % par.tensor:
-        # ranks sharing a TP group or an ep_esp group must pick alike (moe/schedules/parm.py)
+        # ranks sharing a TP group or an ep_esp group must pick alike (techniques/parm/parm.py)
         raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
                           f"parallel.expert_shard={ep_esp} to divide one another")
     if moe.lancet.defer_wgrad and cfg.training.precision == "bf16":
@@ -328,7 +328,7 @@ def _check_vexperts(cfg: Config) -> None:
 def profile_needs(cfg: Config):
     """[(hardware profile ops, the config key=value that needs them)] for `cfg`'s techniques."""
     from megatron_moe.perf.hardware import BALANCER_OPS, LANCET_OPS, PARM_OPS
-    from megatron_moe.perf.proprophet_model import PROPROPHET_OPS
+    from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS
 
     needs = []
     if cfg.moe.schedule == "auto":
@@ -343,7 +343,7 @@ def profile_needs(cfg: Config):
 
 
 def _check_lancet_partitions(cfg) -> None:
-    """`moe.lancet.partitions` / `partition_range` (moe/lancet_partition.py)."""
+    """`moe.lancet.partitions` / `partition_range` (techniques/lancet/lancet_partition.py)."""
     lancet = cfg.moe.lancet
     if lancet.partitions < 1:
         raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be >= 1 (1 = off)")

@@ -139,7 +139,7 @@ class StagedModel(torch.nn.Module):
 
     def finish_init(self) -> None:
         """Initialize every parameter from the seed; Lancet, compile and partitioners per chunk."""
-        from megatron_moe.moe import lancet, lancet_partition  # lazy: the MoE package builds on the model package
+        from megatron_moe.techniques.lancet import lancet, lancet_partition  # lazy: the MoE package builds on the model package
 
         cfg = self.cfg
         init_model_from_seed_(self, cfg.training.seed, self.state)

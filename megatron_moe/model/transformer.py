@@ -83,8 +83,8 @@ def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = N
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """x `[b, s, h]` through every layer -> (`[b, s, h]`, sum of the MoE layers' aux losses, a 0
     tensor when there are none). `partitioner`: Lancet's partitioned forward
-    (moe/lancet_partition.py, `moe.lancet.partitions`), which runs the layers instead."""
-    from megatron_moe.moe.cross_layer import link_moe_layers  # lazy: the MoE package builds on the model package
+    (techniques/lancet/lancet_partition.py, `moe.lancet.partitions`), which runs the layers instead."""
+    from megatron_moe.techniques.proprophet.cross_layer import link_moe_layers  # lazy: the MoE package builds on the model package
 
     link_moe_layers(moe_ffns(layers))
     if partitioner is not None:

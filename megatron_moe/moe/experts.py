@@ -30,7 +30,7 @@ the held experts are computed with their first slot (one `index_select` per stac
 not all slots in order), and the parameters carry `expert_rows` for checkpoints and
 initialization and `vexpert_slots` for the gradient norm.
 
-Lancet (`moe.lancet.defer_wgrad`, `moe/lancet.py`): with `wgrad` set, those weight-gradient
+Lancet (`moe.lancet.defer_wgrad`, `techniques/lancet/lancet.py`): with `wgrad` set, those weight-gradient
 additions are queued for the model's `WGradScheduler` instead of run in backward.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Experts(torch.nn.Module):
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
         self.slot_table = (SlotTable.initial(num_experts, state.ep_size, slots_per_rank, state.ep.rank)
                            if slots_per_rank is not None else None)
-        self.wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): w1 / w2 gradients deferred in backward
+        self.wgrad = None  # Lancet's WGradScheduler (techniques/lancet/lancet.py): w1 / w2 gradients deferred in backward
 
         def param(shape, dim, init="normal", std=0.0, role="weight"):
             meta = ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")], init=init, std=std, role=role)

@@ -9,7 +9,7 @@ Two entry points:
   not leaves: their gradient must flow back to *Agg*).
 * `grouped_mm_into_grad`: `w` is rows `index` of a leaf stack (an expert parameter; all rows
   when `index` is None) and its gradient is scaled by `scale`. With a Lancet `WGradScheduler`
-  (`moe/lancet.py`), and on the CPU wherever our dW kernels beat the native backward
+  (`techniques/lancet/lancet.py`), and on the CPU wherever our dW kernels beat the native backward
   (`Groups.own_wgrad_pays`), backward computes dX and adds dW_g = scale x_g^T dy_g straight into
   the leaf's `.grad`: no `[G, k, n]` gradient is allocated per micro-batch and then added, one
   read-modify-write of the stack instead. Otherwise it is plain autograd through the native kernel.
@@ -268,7 +268,7 @@ class _GroupedMMIntoGrad(torch.autograd.Function):
 
         if ctx.scheduler is None:
             dw()
-        else:  # Lancet: run it while a backward all-to-all is in flight (moe/lancet.py)
+        else:  # Lancet: run it while a backward all-to-all is in flight (techniques/lancet/lancet.py)
             ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw, (leaf,))
         return dx, None, None, None, None, None
 

@@ -33,7 +33,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.moe import cross_layer
+from megatron_moe.techniques.proprophet import cross_layer
 from megatron_moe.model.recompute import is_recomputing
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
@@ -55,11 +55,11 @@ class MoELayer(torch.nn.Module):
         self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
         self.state = state
         self.last_stats: Optional[MoEStats] = None
-        # cross-layer scheduling (moe/cross_layer.py): the next MoE layer, Trans it got early
+        # cross-layer scheduling (techniques/proprophet/cross_layer.py): the next MoE layer, Trans it got early
         self.next_moe: Optional["MoELayer"] = None
         self.prefetched, self.prefetched_rest = None, None
         self.replica_times = C.TimeSink()  # this forward's Trans / Agg times
-        # Lancet's partitioned forward (moe/lancet_partition.py): set while it runs one of a
+        # Lancet's partitioned forward (techniques/lancet/lancet_partition.py): set while it runs one of a
         # micro-batch's batch parts through this layer, a later part (index > 0) keeps the times
         self.part_index: Optional[int] = None
         # training.recompute=full: each training forward's placements, replayed by its recomputation

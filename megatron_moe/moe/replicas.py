@@ -102,7 +102,7 @@ class _Trans(torch.autograd.Function):
 
     The node is created where the replicas are used (`ReplicaWeights.stacks`), not where Trans was
     issued: autograd runs ready nodes latest-created first, so Agg then starts as soon as the
-    replicas' gradients exist even when Trans was issued a layer earlier (`moe/cross_layer.py`)."""
+    replicas' gradients exist even when Trans was issued a layer earlier (`techniques/proprophet/cross_layer.py`)."""
 
     @staticmethod
     def forward(ctx, plan: ReplicaPlan, group: Group, received: Tuple[torch.Tensor, ...], *owned):
@@ -160,7 +160,7 @@ class TransPart:
 @dataclass
 class ReplicaWeights:
     """The replica stacks of one forward (`Experts.forward`'s `replicas`): one part per *Trans*
-    that moved them (two when Pro-Prophet's scheduler splits it, `moe/cross_layer.py`); parts
+    that moved them (two when Pro-Prophet's scheduler splits it, `techniques/proprophet/cross_layer.py`); parts
     hold ascending, disjoint expert ranges, so their concatenation is ascending too."""
 
     expert_ids: List[int]

@@ -196,4 +196,4 @@ class Router(torch.nn.Module):
         return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss, capacity)
 
 
-from megatron_moe.moe import topology_gate  # noqa: E402,F401  (registers "topology")
+from megatron_moe.techniques.fastermoe import topology_gate  # noqa: E402,F401  (registers "topology")

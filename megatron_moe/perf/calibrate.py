@@ -9,7 +9,7 @@ Operations (`perf/hardware.py`), x = elements (fp32 values) in the convention of
 
 * mp_allgather:    MP-AllGather on `tp` whose gathered output has x elements;
 * ep_esp_alltoall: EP&ESP-AlltoAll on `ep_esp` with x input elements per rank, split evenly;
-* saa:             S2's second EP&ESP-AlltoAll as SAA (`EpEspExchange`, moe/schedules/parm.py):
+* saa:             S2's second EP&ESP-AlltoAll as SAA (`EpEspExchange`, techniques/parm/parm.py):
                    x elements of partial sums per rank, phased over `ep_esp`, with the MP-AllGather
                    of the combined rows on `tp` overlapped;
 * p2p:             x elements exchanged between EP ranks 2i and 2i+1 of `ep` (both directions);
@@ -87,7 +87,7 @@ def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
     """op -> (group, requested size -> (x actually measured, callable that runs the op once))."""
     from megatron_moe.moe.grouped_gemm import grouped_mm
     from megatron_moe.moe.placement import Placement
-    from megatron_moe.moe.schedules.parm import EpEspExchange
+    from megatron_moe.techniques.parm.parm import EpEspExchange
 
     tp, ep, ep_esp = state.tp, state.ep, state.ep_esp
 

@@ -52,7 +52,7 @@ from megatron_moe.perf.alpha_beta import AlphaBeta
 
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
 BALANCER_OPS = ("p2p", "broadcast", "expert_compute")  # FasterMoE Eq. 7-10 (and the balancers after it)
-LANCET_OPS = ("ep_esp_alltoall",)  # Lancet Alg. 1's all-to-all time (moe/lancet.py); expert_compute seeds dW's
+LANCET_OPS = ("ep_esp_alltoall",)  # Lancet Alg. 1's all-to-all time (techniques/lancet/lancet.py); expert_compute seeds dW's
 OPS = PARM_OPS + BALANCER_OPS
 LINK_KINDS = ("all_to_all", "all_gather", "all_reduce", "p2p", "broadcast", "reduce")  # cluster.links
 

@@ -18,7 +18,7 @@ sends and receives, posted together as `batch_isend_irecv`). Model chunk k = vir
   Needs m divisible by p (Megatron's rule).
 
 Programs are pure data: `simulate` runs every stage's program against the others' (unit compute
-times, or any per-step times and message costs: the cluster simulator's, sim/pipeline.py), checks
+times, or any per-step times and message costs: the cluster simulator's, sim/stages.py), checks
 that every message is sent after it is computed, received by the step that expects exactly that
 (chunk, micro-batch) in the same order on both sides (NCCL matches point-to-point messages by order,
 not by tag) and that a stage's exchange batches, completed in order as on one

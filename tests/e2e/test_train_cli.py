@@ -123,7 +123,7 @@ def reference_gpu(tmp_path_factory):
     (4, ["parallel.expert=2"]),  # data parallel 4, expert data parallel 2
     (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
     (8, ["parallel.expert=4", "parallel.expert_shard=2"]),
-    # Parm schedules (moe/schedules/parm.py)
+    # Parm schedules (techniques/parm/parm.py)
     (2, ["parallel.tensor=2", "moe.schedule=s1", "training.compile=true"]),  # + TorchInductor (model/compile.py)
     # (s2 + SAA end to end: tests/e2e/test_vexperts.py, tp2-ep2-esp2, 20 iterations)
     (4, ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",

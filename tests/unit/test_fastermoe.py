@@ -1,15 +1,15 @@
 """FasterMoE's shadowing decision (Alg. 1, Eq. 7-10) on worked examples and against a brute-force
-search over all shadow sets (moe/balancers/fastermoe.py, perf/fastermoe_model.py)."""
+search over all shadow sets (techniques/fastermoe/fastermoe.py, techniques/fastermoe/fastermoe_model.py)."""
 import itertools
 import statistics
 
 import pytest
 import torch
 
-from megatron_moe.moe.balancers.fastermoe import rows_per_rank, select_shadow_experts, shadow_loads
+from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank, select_shadow_experts, shadow_loads
 from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.alpha_beta import AlphaBeta
-from megatron_moe.perf.fastermoe_model import ShadowCostModel
+from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
 from megatron_moe.perf.hardware import HardwareProfile
 
 # the paper's GeLU MLP, alpha = 2, H = 4: F = 4 alpha H^2 = 128 FLOPs per row, Q = 2 alpha H^2 = 64;

@@ -1,4 +1,4 @@
-"""Lancet's weight-gradient scheduling (moe/lancet.py): the deferred linear and grouped GEMM give
+"""Lancet's weight-gradient scheduling (techniques/lancet/lancet.py): the deferred linear and grouped GEMM give
 autograd's gradients, and `WGradScheduler.fill` is Alg. 1's greedy (best match to the remaining
 all-to-all time first, until it is covered), with the rest run when backward ends."""
 import itertools
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from megatron_moe.config import ConfigError, load_config, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad
-from megatron_moe.moe.lancet import WGradScheduler, deferred_linear
-from megatron_moe.moe.lancet_partition import ForwardPartitioner
+from megatron_moe.techniques.lancet.lancet import WGradScheduler, deferred_linear
+from megatron_moe.techniques.lancet.lancet_partition import ForwardPartitioner
 from megatron_moe.perf.alpha_beta import AlphaBeta
-from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
+from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, best_partitioning, fixed_partitioning,
                                                 pipeline_time, segment_time)
 from tests.lancet_times import measure_injected
 from tests.tiny_model import assert_same_steps, tiny_model_steps
@@ -154,7 +154,7 @@ def test_defer_wgrad_with_bf16_is_refused():
         validate_config(cfg, 1)
 
 
-# -- §5: the partitioned forward (moe/lancet_partition.py, perf/lancet_partition.py) -------------
+# -- §5: the partitioned forward (techniques/lancet/lancet_partition.py, techniques/lancet/lancet_partition_model.py) -------------
 
 def _instructions(rng, n_ops, max_parts, moe_every):
     """Random sublayer times; every `moe_every`-th op is an MoE FFN with random all-to-alls."""

@@ -1,13 +1,13 @@
-"""Pro-Prophet's planner (moe/balancers/proprophet.py) and cost model (perf/proprophet_model.py):
+"""Pro-Prophet's planner (techniques/proprophet/proprophet.py) and cost model (techniques/proprophet/proprophet_model.py):
 water-filling, Replace_Inputs, Alg. 1 on worked examples (the paper's Fig. 6), the Placement it
 becomes, and plan quality against a brute-force search over lightweight placements."""
 import numpy as np
 import pytest
 import torch
 
-from megatron_moe.moe.balancers.proprophet import (Loads, devices_for, greedy_search, lightweight_placement,
+from megatron_moe.techniques.proprophet.proprophet import (Loads, devices_for, greedy_search, lightweight_placement,
                                                    ratios_to_optimum, water_fill)
-from megatron_moe.perf.proprophet_model import ProphetCostModel
+from megatron_moe.techniques.proprophet.proprophet_model import ProphetCostModel
 
 # 1 s per row computed, 0.1 s per element moved, rows of 1 element, experts of 1 element: a
 # replica costs little, so balancing pays (Eq. 6 by hand below)
@@ -121,10 +121,10 @@ def test_plan_quality_against_brute_force():
 
 
 def test_split_trans_takes_the_longest_prefix_that_fits_t_fec():
-    """Alg. 2 line 7 (moe/cross_layer.py): SubTrans1 takes the replicated experts, in order, whose
+    """Alg. 2 line 7 (techniques/proprophet/cross_layer.py): SubTrans1 takes the replicated experts, in order, whose
     Eq. 4 times add up to at most the block before's T_FEC; SubTrans2 the rest. Here an expert
     moved to k replicas costs k x 1 element x 0.5 s / 2 devices = 0.25 k s (exact in binary)."""
-    from megatron_moe.moe.cross_layer import split_trans
+    from megatron_moe.techniques.proprophet.cross_layer import split_trans
 
     model = ProphetCostModel(row_elements=1, params_per_expert=1.0, seconds_per_row=1.0, seconds_per_element=0.5,
                              fnec_seconds=0.0)

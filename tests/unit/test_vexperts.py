@@ -1,4 +1,4 @@
-"""Persistent vExperts (moe/vexperts.py, balancers/eplb.py, balancers/flexmoe.py, Placement.on_slots):
+"""Persistent vExperts (moe/vexperts.py, techniques/eplb/eplb.py, techniques/flexmoe/flexmoe.py, Placement.on_slots):
 the pure pieces, no process groups. Slot tables, transfer plans and integer routing on hand-worked
 examples, plus random checks against small brute-force references."""
 import numpy as np
@@ -7,9 +7,9 @@ import torch
 from matplotlib.figure import Figure
 
 from megatron_moe.config import ConfigError, load_config, validate_config
-from megatron_moe.moe.balancers.eplb import eplb_slots_per_rank, keep_in_place
-from megatron_moe.moe.balancers.flexmoe import flexmoe_slots_per_rank
-from megatron_moe.moe.balancers.flexmoe_plan import flexible_routing
+from megatron_moe.techniques.eplb.eplb import eplb_slots_per_rank, keep_in_place
+from megatron_moe.techniques.flexmoe.flexmoe import flexmoe_slots_per_rank
+from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.load_plots import figure_rgb, placement_figure
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexperts import (SlotTable, Transfer, expert_rows, fill_duplicates, integer_routing,

@@ -20,7 +20,7 @@ from megatron_moe.moe.placement import Placement
 
 class Balancer(ABC):
     plans_during_dispatch = False  # `observe` runs while the dispatch all-to-all is in flight
-    prefetches_trans = False  # the block before issues this layer's Trans (moe/cross_layer.py)
+    prefetches_trans = False  # the block before issues this layer's Trans (techniques/proprophet/cross_layer.py)
     slots_per_rank: Optional[int] = None  # persistent vExpert slots per EP rank (moe/vexperts.py), or owners
 
     def __init__(self, cfg: Config, state: ParallelState):

@@ -21,8 +21,8 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.moe.balancers.base import Balancer
-from megatron_moe.moe.balancers.fastermoe import rows_per_rank
-from megatron_moe.moe.balancers.flexmoe_plan import flexible_routing
+from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
+from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexperts import integer_routing, optimizer_tensors, relocate, sync_replica_grads
 

@@ -7,4 +7,4 @@ SCHEDULES = Registry("moe.schedule")
 A2A_KINDS = ("all_to_all", "all_to_all_p2p", "smart_p2p")
 
 from megatron_moe.moe.schedules import baseline  # noqa: E402,F401  (registers "baseline")
-from megatron_moe.moe.schedules import parm  # noqa: E402,F401  (registers "s1", "s2", "auto")
+from megatron_moe.techniques.parm import parm  # noqa: E402,F401  (registers "s1", "s2", "auto")

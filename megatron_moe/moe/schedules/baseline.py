@@ -125,7 +125,7 @@ class BaselineSchedule(Schedule):
 
     def smart_parts(self, routed: BaselineRouted, placement: Placement):
         """Pairwise steps over `ep`; each step's partial sums are ESP-AllReduced before going back."""
-        from megatron_moe.moe.schedules.smart import SmartPlan, smart_peer_group
+        from megatron_moe.techniques.fastermoe.smart import SmartPlan, smart_peer_group
 
         send, ctx = self._send_rows(routed, placement)
         peers = smart_peer_group(self.cfg.moe.smart_group_size, self.state.esp_size, exchange_over_ep_esp=False)

@@ -24,7 +24,7 @@ from collections import Counter
 import numpy as np
 
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.balancers.flexmoe_plan import Expand, FlexCostModel, Migrate, Shrink, apply_ops, schedule
+from megatron_moe.techniques.flexmoe.flexmoe_plan import Expand, FlexCostModel, Migrate, Shrink, apply_ops, schedule
 from megatron_moe.moe.balancers.vexpert_base import SlotBalancer
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.balancers.eplb_plan import rebalance
+from megatron_moe.techniques.eplb.eplb_plan import rebalance
 from megatron_moe.moe.balancers.vexpert_base import SlotBalancer, ep_ranks_per_node
 
 

@@ -6,7 +6,7 @@ computation around an MoE layer with that layer's all-to-alls: while part q's to
 another part's attention (or the layers after the MoE layer) computes. Lancet does it as an IR
 pass; here `ForwardPartitioner.run` replaces the model's layer loop. The forward is a sequence of
 sublayer instructions (`attention` and `ffn` of every layer); a *segment* of them around one MoE
-FFN runs as k parts (perf/lancet_partition.py has the cost model and the range selection):
+FFN runs as k parts (techniques/lancet/lancet_partition_model.py has the cost model and the range selection):
 
     A_0                                  A = the segment's sublayers before the MoE FFN, and its norm
     for q in 0..k-1:                     MoE FFN of part q (moe/layer.py), with
@@ -50,7 +50,7 @@ from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf import timing
-from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning,
+from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, Segment, best_partitioning,
                                                 fixed_partitioning, partition_max_range, segment_time)
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)

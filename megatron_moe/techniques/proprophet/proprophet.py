@@ -23,7 +23,7 @@ per EP rank we take, of the heaviest device's experts not selected yet, the one 
 the lowest T' (ties: the heavier), and stop (lines 7-8's `break`) when that device has none left.
 (Taking its heaviest expert instead ignores locality: on 120 small random cases it was 1.12 x the
 optimum at worst, this 1.08; `tests/unit/test_proprophet.py`.) The cost model is
-`perf/proprophet_model.py`.
+`techniques/proprophet/proprophet_model.py`.
 
 Locality (§III): the plan for the next forwards is searched on this forward's distribution
 (`observe`, the `Plan` primitive), every `moe.proprophet.plan_interval` iterations, and reused in
@@ -42,12 +42,12 @@ import torch
 
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
-from megatron_moe.moe.balancers.fastermoe import rows_per_rank
+from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
 from megatron_moe.moe.placement import Placement, owner_table
 from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.hardware import configured_profile
-from megatron_moe.perf.proprophet_model import PROPROPHET_OPS, ProphetCostModel
+from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
 
 Selection = Tuple[int, Tuple[int, ...]]  # (expert, its devices: owner first, then ascending)
 
@@ -314,7 +314,7 @@ class ProProphet(Balancer):
 
     def upcoming_replicas(self) -> Optional[List[Selection]]:
         """The replicas the next forward will use (None until a plan exists): the block-wise
-        scheduler prefetches their *Trans* (`moe/cross_layer.py`)."""
+        scheduler prefetches their *Trans* (`techniques/proprophet/cross_layer.py`)."""
         return self.chosen
 
 

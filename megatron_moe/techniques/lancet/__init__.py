@@ -1,0 +1,1 @@
+"""lancet (docs/design.md, the map)."""

@@ -1,0 +1,2 @@
+"""proprophet (docs/design.md, the map)."""
+import megatron_moe.moe.balancers  # noqa: F401  (the registry loads first, as when this lived under moe/)
