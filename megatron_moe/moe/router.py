@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.schema import Config
+from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.registry import Registry
@@ -146,7 +147,12 @@ def losses_from_sums(router: "Router", mean_probs: torch.Tensor, mean_z: torch.T
             + router.z_loss_coeff * mean_z)
 
 
-GATES = Registry("moe.gate")
+GATES = Registry("moe.gate")  # "softmax" here, "topology": techniques/fastermoe/topology_gate.py
+
+
+@section_check("moe.gate")
+def _check_gate(cfg: Config, world_size: int) -> None:
+    GATES.get(cfg.moe.gate)
 
 
 @GATES.register("softmax")
@@ -195,5 +201,3 @@ class Router(torch.nn.Module):
                     + self.z_loss_coeff * z_loss(logits))
         return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss, capacity)
 
-
-from megatron_moe.techniques.fastermoe import topology_gate  # noqa: E402,F401  (registers "topology")

@@ -262,7 +262,7 @@ def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
     """`cfg` unchanged if it names a profile or needs none; else `cfg` with `perf.hardware_profile`
     set to a profile calibrated on these ranks (or cached), copied into the run directory unless
     `run_dir_copy` is false. Collective (over the world) when it calibrates."""
-    from megatron_moe.config.validate import profile_needs
+    from megatron_moe.perf.hardware import profile_needs
 
     needs = profile_needs(cfg)
     if cfg.perf.hardware_profile or not needs:

@@ -49,6 +49,8 @@ import yaml
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.perf.alpha_beta import AlphaBeta
+from megatron_moe.config.validate import section_check
+from megatron_moe.registry import Hooks
 
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
 BALANCER_OPS = ("p2p", "broadcast", "expert_compute")  # FasterMoE Eq. 7-10 (and the balancers after it)
@@ -193,3 +195,24 @@ def save_profile(profile: HardwareProfile, path: str) -> None:
     with open(tmp, "w") as f:
         yaml.safe_dump(profile_dict(profile), f, sort_keys=False)
     os.replace(tmp, path)
+
+
+# (cfg) -> [(ops, the config key=value that needs them)]: each technique says what its cost model
+# needs from the hardware profile, in this order
+PROFILE_NEEDS: Hooks = Hooks("hardware profile needs", ("parm", "fastermoe", "flexmoe", "proprophet", "lancet"))
+
+
+def profile_needs(cfg) -> list:
+    """[(hardware profile ops, the config key=value that needs them)] for `cfg`'s techniques."""
+    return [need for _, needs in PROFILE_NEEDS.items() for need in needs(cfg)]
+
+
+@section_check("perf.hardware_profile")
+def _check_profile(cfg, world_size: int) -> None:
+    """A given hardware profile must have what the configured techniques' models need (without
+    one, they are calibrated at start-up)."""
+    profile = cfg.perf.hardware_profile
+    if profile:
+        loaded = load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed
+        for ops, who in profile_needs(cfg):
+            loaded.require(ops, who)

@@ -48,6 +48,8 @@ from megatron_moe.training.distributed_optimizer import DistributedOptimizer
 from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
                                                  load_entries, read_json, read_metadata, save_entries, verify_manifest,
                                                  write_json, write_manifest)
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
 
 LATEST = "latest"
 META = "meta.json"
@@ -363,3 +365,24 @@ def _set_adam_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     sd = optimizer.state_dict()
     sd["state"] = {index[id(p)]: adam_states[name] for name, p in model.named_parameters() if id(p) in index}
     optimizer.load_state_dict(sd)
+
+
+@section_check("checkpoint")
+def _check_checkpoint(cfg, world_size: int) -> None:
+    ck = cfg.checkpoint
+    if ck.save_interval < 0 or ck.keep_last < 0:
+        raise ConfigError("checkpoint.save_interval and checkpoint.keep_last must be >= 0")
+    if ck.save_interval > 0 and not ck.dir:
+        raise ConfigError(f"checkpoint.save_interval={ck.save_interval} needs checkpoint.dir")
+    if ck.load == "auto" and not ck.dir:
+        raise ConfigError("checkpoint.load=auto needs checkpoint.dir")
+    if ck.load not in (None, "auto"):  # a path: a checkpoint or a root of iter_<k> checkpoints (names only)
+        try:
+            is_checkpoint_root(ck.load)
+        except CheckpointError as exc:
+            raise checkpoint_load_error(ck.load, exc) from None
+
+
+def checkpoint_load_error(load: str, exc: Exception) -> ConfigError:
+    """The one-line error for a checkpoint that `checkpoint.load` names but that cannot be resumed."""
+    return ConfigError(f"checkpoint.load={load}: {exc}")

@@ -42,6 +42,8 @@ from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import Group, ParallelState
 from megatron_moe.training.grads import GradSync, REPLICA_GROUP, counts_in_norm, reduce_squared_norms
 from megatron_moe.training.optimizer import DECAYED_ROLES, fused_ok
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
 
 GRAD_KIND = "grad_reduce_scatter"
 PARAM_KIND = "param_all_gather"
@@ -264,3 +266,10 @@ def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state this rank holds (AdamW moments and steps)."""
     states = optimizer.state_tensors if isinstance(optimizer, DistributedOptimizer) else optimizer.state
     return sum(t.numel() * t.element_size() for st in states.values() for t in st.values() if torch.is_tensor(t))
+
+
+@section_check("optimizer.distributed")
+def _check_distributed(cfg, world_size: int) -> None:
+    if cfg.optimizer.distributed and cfg.moe.balancer in ("flexmoe", "eplb"):
+        raise ConfigError(f"optimizer.distributed=true does not work with moe.balancer={cfg.moe.balancer}: its "
+                          "vExperts move AdamW state between ranks, which the distributed optimizer shards")

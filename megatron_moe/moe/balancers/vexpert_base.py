@@ -25,6 +25,7 @@ from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
 from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexperts import integer_routing, optimizer_tensors, relocate, sync_replica_grads
+from megatron_moe.config.errors import ConfigError
 
 OP_KINDS = ("expand", "shrink", "migrate")
 
@@ -114,3 +115,10 @@ def ep_ranks_per_node(state) -> Optional[int]:
             nodes[q] != nodes[q - q % per_node] for q in range(group.size)):
         return None
     return per_node
+
+
+def check_options(checks) -> None:
+    """[(key under moe., value, ok, rule)]: ConfigError for the first not ok (FlexMoE's, EPLB's sections)."""
+    for key, value, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"moe.{key}={value} must be {rule}")

@@ -1,2 +1,1 @@
-"""eplb (docs/design.md, the map)."""
-import megatron_moe.moe.balancers  # noqa: F401  (the registry loads first, as when this lived under moe/)
+"""eplb: see docs/design.md (the map) for its files, paper sections, config keys and tests."""

@@ -25,6 +25,8 @@ import numpy as np
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.techniques.eplb.eplb_plan import rebalance
 from megatron_moe.moe.balancers.vexpert_base import SlotBalancer, ep_ranks_per_node
+from megatron_moe.config.validate import section_check
+from megatron_moe.moe.balancers.vexpert_base import check_options
 
 
 def eplb_slots_per_rank(cfg, ep_size: int) -> int:
@@ -79,3 +81,20 @@ class EPLB(SlotBalancer):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.average = None if state.get("average") is None else np.array(state["average"], dtype=np.float64)
+
+
+@section_check("moe.eplb")
+def _check_eplb(cfg, world_size: int) -> None:
+    """Enough slots for every expert, a sane schedule (checked with moe.balancer=eplb only)."""
+    moe, ep = cfg.moe, cfg.parallel.expert
+    if moe.balancer != "eplb":
+        return
+    eplb = moe.eplb
+    redundant = eplb.redundant_slots if eplb.redundant_slots is not None else (ep if ep > 1 else 0)
+    check_options([("eplb.interval", eplb.interval, eplb.interval >= 1, ">= 1"),
+                   ("eplb.ema", eplb.ema, 0.0 < eplb.ema <= 1.0, "in (0, 1]"),
+                   ("eplb.redundant_slots", eplb.redundant_slots,
+                    redundant >= 0 and (moe.num_experts + redundant) % ep == 0
+                    and (moe.num_experts + redundant) // ep <= moe.num_experts,
+                    f">= 0 with moe.num_experts + it divisible by parallel.expert={ep} and at most "
+                    f"moe.num_experts slots per rank (or null = {ep if ep > 1 else 0})")])

@@ -1,2 +1,1 @@
-"""fastermoe (docs/design.md, the map)."""
-import megatron_moe.moe.balancers  # noqa: F401  (the registry loads first, as when this lived under moe/)
+"""fastermoe: see docs/design.md (the map) for its files, paper sections, config keys and tests."""

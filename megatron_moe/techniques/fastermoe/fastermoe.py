@@ -29,6 +29,9 @@ from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
 from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 
 def rows_per_rank(counts: torch.Tensor, source_ep_ranks: Sequence[int], ep_size: int) -> torch.Tensor:
@@ -87,3 +90,15 @@ class FasterMoE(Balancer):
         T = rows_per_rank(counts, source_ep_ranks, self.ep_size)
         shadowed = select_shadow_experts(T, self.cost, self.min_shadow) if self.ep_size > 1 else []
         return Placement.shadowed(counts, self.ep_size, shadowed, source_ep_ranks)
+
+
+@section_check("moe.fastermoe")
+def _check_fastermoe(cfg, world_size: int) -> None:
+    moe = cfg.moe
+    if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
+        raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
+
+
+@PROFILE_NEEDS.register("fastermoe")
+def _profile_needs(cfg) -> list:
+    return [(BALANCER_OPS, "moe.balancer=fastermoe")] if cfg.moe.balancer == "fastermoe" else []

@@ -1,2 +1,1 @@
-"""flexmoe (docs/design.md, the map)."""
-import megatron_moe.moe.balancers  # noqa: F401  (the registry loads first, as when this lived under moe/)
+"""flexmoe: see docs/design.md (the map) for its files, paper sections, config keys and tests."""

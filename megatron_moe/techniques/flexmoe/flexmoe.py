@@ -28,6 +28,9 @@ from megatron_moe.techniques.flexmoe.flexmoe_plan import Expand, FlexCostModel, 
 from megatron_moe.moe.balancers.vexpert_base import SlotBalancer
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
+from megatron_moe.moe.balancers.vexpert_base import check_options
 
 _KIND = {Expand: "expand", Shrink: "shrink", Migrate: "migrate"}
 
@@ -59,3 +62,22 @@ class FlexMoE(SlotBalancer):
         if not ops:
             return None, {}
         return apply_ops(self.table.slots, ops), dict(Counter(_KIND[type(op)] for op in ops))
+
+
+@section_check("moe.flexmoe")
+def _check_flexmoe(cfg, world_size: int) -> None:
+    """Enough vExpert slots for every expert, a sane schedule (checked with moe.balancer=flexmoe only)."""
+    moe = cfg.moe
+    if moe.balancer != "flexmoe":
+        return
+    per_rank, fm = moe.num_experts // cfg.parallel.expert, moe.flexmoe
+    check_options([("flexmoe.slots_per_rank", fm.slots_per_rank,
+                    fm.slots_per_rank is None or fm.slots_per_rank >= per_rank,
+                    f">= moe.num_experts / parallel.expert = {per_rank} (or null)"),
+                   ("flexmoe.interval", fm.interval, fm.interval >= 1, ">= 1"),
+                   ("flexmoe.threshold", fm.threshold, fm.threshold >= 1.0, ">= 1.0 (a balance ratio)")])
+
+
+@PROFILE_NEEDS.register("flexmoe")
+def _profile_needs(cfg) -> list:
+    return [(BALANCER_OPS, "moe.balancer=flexmoe")] if cfg.moe.balancer == "flexmoe" else []

@@ -1,1 +1,1 @@
-"""lancet (docs/design.md, the map)."""
+"""lancet: see docs/design.md (the map) for its files, paper sections, config keys and tests."""

@@ -45,6 +45,9 @@ from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
 from megatron_moe.perf.timing import Duration
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
 
@@ -187,3 +190,16 @@ def build_scheduler(cfg) -> Optional[WGradScheduler]:
     compute = profile.expert_compute
     return WGradScheduler(profile.ep_esp_alltoall,
                           seconds_per_flop=compute.beta if compute is not None and compute.beta > 0 else 1e-10)
+
+
+@section_check("moe.lancet.defer_wgrad")
+def _check_defer_wgrad(cfg, world_size: int) -> None:
+    if cfg.moe.lancet.defer_wgrad and cfg.training.precision == "bf16":
+        raise ConfigError("moe.lancet.defer_wgrad=true and training.precision=bf16 cannot be combined yet: the "
+                          "deferred weight gradients are computed in fp32 outside autocast")
+
+
+@PROFILE_NEEDS.register("lancet")
+def _profile_needs(cfg) -> list:
+    # Alg. 1's budget: each backward all-to-all's estimated time
+    return [(LANCET_OPS, "moe.lancet.defer_wgrad=true")] if cfg.moe.lancet.defer_wgrad else []

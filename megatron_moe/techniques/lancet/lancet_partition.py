@@ -52,6 +52,8 @@ from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf import timing
 from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, Segment, best_partitioning,
                                                 fixed_partitioning, partition_max_range, segment_time)
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)
 
@@ -224,3 +226,28 @@ def from_config(cfg, state, rng, layers) -> Optional[ForwardPartitioner]:
         return None
     return ForwardPartitioner(state, rng, layers, lancet.partitions, str(lancet.partition_range),
                               partition_max_range(lancet.max_range, cfg.moe.layer_freq))
+
+
+@section_check("moe.lancet.partitions")
+def _check_lancet_partitions(cfg, world_size: int) -> None:
+    """`moe.lancet.partitions` / `partition_range`."""
+    lancet = cfg.moe.lancet
+    if lancet.partitions < 1:
+        raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be >= 1 (1 = off)")
+    if lancet.partitions > cfg.training.micro_batch_size:
+        raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be <= training.micro_batch_size="
+                          f"{cfg.training.micro_batch_size}: each part is at least one sequence")
+    rng = str(lancet.partition_range)
+    if rng != "auto" and not (rng.isdigit()):
+        raise ConfigError(f"moe.lancet.partition_range={rng!r} must be auto or a number of sublayers >= 0")
+    if lancet.max_range is not None and (lancet.max_range < 1 or rng != "auto"):
+        raise ConfigError(f"moe.lancet.max_range={lancet.max_range} must be >= 1 (or null) and needs "
+                          f"moe.lancet.partition_range=auto (got {rng!r}): it bounds the dynamic program's segments")
+    if lancet.partitions > 1 and cfg.training.recompute != "none":
+        raise ConfigError(f"moe.lancet.partitions>1 and training.recompute={cfg.training.recompute} cannot be "
+                          "combined yet: the partitioned forward runs sublayers per batch part, outside the "
+                          "recomputed regions and their dropout replay")
+    if lancet.partitions > 1 and cfg.moe.gate == "topology":
+        raise ConfigError("moe.lancet.partitions>1 and moe.gate=topology cannot be combined: the topology gate's "
+                          "budget ranks the whole micro-batch's choices, so batch parts would route differently "
+                          "(Lancet §5: such gates allow partitioning only after the MoE layer, not built)")

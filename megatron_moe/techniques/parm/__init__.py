@@ -1,2 +1,1 @@
-"""parm (docs/design.md, the map)."""
-import megatron_moe.moe.schedules  # noqa: F401  (the registry loads first, as when this lived under moe/)
+"""parm: see docs/design.md (the map) for its files, paper sections, config keys and tests."""

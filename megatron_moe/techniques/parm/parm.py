@@ -76,6 +76,9 @@ from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.hardware import PARM_OPS, configured_profile
 from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
 from megatron_moe.tensor_parallel import copy_to_tp_region, reduce_from_tp_region
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 COUNTS_KIND = "all_gather_counts"  # byte-counter labels of the metadata collectives
 ROUTING_KIND = "all_gather_routing"
@@ -437,3 +440,26 @@ class Auto(ParmSchedule):
 
     def parm_routed(self, routed: AutoRouted) -> ParmRouted:
         return routed.chosen
+
+
+@section_check("parm")
+def _check_parm(cfg, world_size: int) -> None:
+    """SAA belongs to S2 with an MP group (auto picks S1 when parallel.tensor=1, so auto + SAA never
+    runs SAA there); auto's pick must agree over TP and ep_esp groups."""
+    moe, par = cfg.moe, cfg.parallel
+    if moe.saa and moe.schedule not in ("s2", "auto"):
+        raise ConfigError(f"moe.saa=true needs moe.schedule s2 or auto, not {moe.schedule!r}")
+    if moe.saa and moe.schedule == "s2" and par.tensor == 1:
+        raise ConfigError("moe.saa=true with moe.schedule=s2 needs parallel.tensor > 1: SAA overlaps S2's second "
+                          "EP&ESP-AlltoAll with its MP-AllGather, and with parallel.tensor=1 there is no all-gather "
+                          "(its N_EP phases would be pure overhead); set moe.saa=false")
+    ep_esp = par.expert * par.expert_shard
+    if moe.schedule == "auto" and par.tensor % ep_esp and ep_esp % par.tensor:
+        # ranks sharing a TP group or an ep_esp group must pick alike (see Auto above)
+        raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
+                          f"parallel.expert_shard={ep_esp} to divide one another")
+
+
+@PROFILE_NEEDS.register("parm")
+def _profile_needs(cfg) -> list:
+    return [(PARM_OPS, "moe.schedule=auto")] if cfg.moe.schedule == "auto" else []

@@ -48,6 +48,9 @@ from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.perf.hardware import configured_profile
 from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 Selection = Tuple[int, Tuple[int, ...]]  # (expert, its devices: owner first, then ascending)
 
@@ -326,3 +329,20 @@ def non_moe_flops_per_token(cfg, state) -> float:
     attention = 2 * 4 * h * h / tp + 2 * 2 * s * h / tp
     dense = 2 * 2 * h * m.ffn_hidden_size / tp * (cfg.moe.layer_freq - 1)
     return attention * cfg.moe.layer_freq + dense
+
+
+@section_check("moe.proprophet")
+def _check_proprophet(cfg, world_size: int) -> None:
+    moe, pp = cfg.moe, cfg.moe.proprophet
+    for key, value, ok, rule in [("alpha", pp.alpha, pp.alpha >= 0, ">= 0"),
+                                 ("plan_interval", pp.plan_interval, pp.plan_interval >= 1, ">= 1"),
+                                 ("bottom_k", pp.bottom_k, pp.bottom_k >= 0, ">= 0"),
+                                 ("min_replicas", pp.min_replicas, 0 <= pp.min_replicas <= moe.num_experts,
+                                  "in [0, moe.num_experts]")]:
+        if not ok:
+            raise ConfigError(f"moe.proprophet.{key}={value} must be {rule}")
+
+
+@PROFILE_NEEDS.register("proprophet")
+def _profile_needs(cfg) -> list:
+    return [(PROPROPHET_OPS, "moe.balancer=proprophet")] if cfg.moe.balancer == "proprophet" else []
