@@ -61,7 +61,7 @@ from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.techniques.parm.parm import Auto
 from megatron_moe.perf.calibrate import resolve_hardware_profile
-from megatron_moe.perf.timing import init_state, slowest_rank_seconds
+from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
 
 ROWS = {  # name -> (moe.schedule, moe.saa)
     "baseline": ("baseline", False),

@@ -43,7 +43,7 @@ from megatron_moe.moe.replicas import start_trans
 from megatron_moe.perf.calibrate import ExpertShape, fit_description, fit_profile, measure_points
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
-from megatron_moe.perf.timing import init_state, slowest_rank_seconds
+from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
 from megatron_moe.sim.traces import zipf_rows
 
 OPS = ("a2a", "fec", "trans", "agg")

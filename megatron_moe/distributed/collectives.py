@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_moe.distributed.parallel_state import Group
+from megatron_moe.distributed.group import Group
 from megatron_moe.perf import timing
 from megatron_moe.perf.timing import Duration
 

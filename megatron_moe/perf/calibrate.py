@@ -45,7 +45,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
 from megatron_moe.perf.hardware import OPS, ClusterSpec, HardwareProfile, Link, load_profile, save_profile
 from megatron_moe.perf import timing
-from megatron_moe.perf.timing import slowest_rank_seconds
+from megatron_moe.perf.rank_timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
 Points = Dict[str, Tuple[List[int], List[float]]]  # op -> (x, seconds); x = [] on a group of one rank

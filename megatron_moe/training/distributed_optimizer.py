@@ -41,9 +41,16 @@ from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import Group, ParallelState
 from megatron_moe.training.grads import GradSync, REPLICA_GROUP, counts_in_norm, reduce_squared_norms
-from megatron_moe.training.optimizer import DECAYED_ROLES, fused_ok
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
+
+DECAYED_ROLES = frozenset({"weight", "embedding"})  # ParamMeta roles that weight decay applies to (training/optimizer.py)
+
+
+def fused_ok(params) -> bool:
+    """Can torch's fused AdamW kernel take `params` (float tensors on CPU or CUDA)?"""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+
 
 GRAD_KIND = "grad_reduce_scatter"
 PARAM_KIND = "param_all_gather"

@@ -18,8 +18,7 @@ import torch
 
 from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.distributed.parallel_state import ParallelState
-
-DECAYED_ROLES = frozenset({"weight", "embedding"})
+from megatron_moe.training.distributed_optimizer import DECAYED_ROLES, DistributedOptimizer, fused_ok
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
@@ -32,17 +31,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def fused_ok(params) -> bool:
-    """Can torch's fused AdamW kernel take `params` (float tensors on CPU or CUDA)?"""
-    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-
-
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optional[ParallelState] = None):
     """AdamW over the model's parameters, or with `optimizer.distributed` over this rank's ZeRO-1
     shards of them (training/distributed_optimizer.py; needs `state`)."""
     if cfg.distributed:
-        from megatron_moe.training.distributed_optimizer import DistributedOptimizer
-
         return DistributedOptimizer(model, cfg, state or ParallelState.single_process())
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
