@@ -56,7 +56,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.techniques.proprophet.cross_layer import link_moe_layers
+from megatron_moe.model.transformer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.techniques.parm.parm import Auto

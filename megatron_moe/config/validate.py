@@ -8,7 +8,7 @@ parallel degrees divide the model and the world). Every other section is checked
 knows its rule, registered into `SECTION_CHECKS` next to that code (a registry's names, a
 technique's options, the pipeline, the checkpoint, the hardware profile). `validate_config` runs
 them at fixed points of `SECTION_CHECKS.order`, so the first broken rule is reported in the same
-order as always; loading the plugins (megatron_moe/registry.py) makes sure every one is registered.
+order as always; loading the plugins (megatron_moe/config/registry.py) makes sure every one is registered.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
-from megatron_moe.registry import Hooks
+from megatron_moe.config.registry import Hooks
 
 # (cfg, world_size) -> None, raising ConfigError; run in this order (names: the section they check)
 SECTION_CHECKS: Hooks = Hooks("config section check", (

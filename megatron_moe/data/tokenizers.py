@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from megatron_moe.config.validate import section_check
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 
 TOKENIZERS: Registry = Registry("data.tokenizer.type")
 

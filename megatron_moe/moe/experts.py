@@ -46,8 +46,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import expert_ffn_hidden_size
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
-from megatron_moe.model.param_meta import ParamMeta, make_param
-from megatron_moe.model.transformer import residual_output_std
+from megatron_moe.model.param_meta import ParamMeta, make_param, residual_output_std
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad, scale_grad
 from megatron_moe.moe.vexperts import SlotTable, expert_rows
 

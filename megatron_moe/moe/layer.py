@@ -33,8 +33,8 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.techniques.proprophet import cross_layer
 from megatron_moe.model.recompute import is_recomputing
+from megatron_moe.model.transformer import FFN_LAYERS
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.replicas import fetch_replicas
@@ -44,6 +44,7 @@ from megatron_moe.moe.schedules.base import RunHooks
 from megatron_moe.moe.stats import MoEStats
 
 
+@FFN_LAYERS.register("moe")
 class MoELayer(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState, layer_index: int):
         super().__init__()
@@ -55,7 +56,8 @@ class MoELayer(torch.nn.Module):
         self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
         self.state = state
         self.last_stats: Optional[MoEStats] = None
-        # cross-layer scheduling (techniques/proprophet/cross_layer.py): the next MoE layer, Trans it got early
+        # cross-layer scheduling (the balancer's `cross_layer`; Pro-Prophet's: techniques/proprophet/cross_layer.py):
+        # the next MoE layer, Trans it got early
         self.next_moe: Optional["MoELayer"] = None
         self.prefetched, self.prefetched_rest = None, None
         self.replica_times = C.TimeSink()  # this forward's Trans / Agg times
@@ -81,7 +83,7 @@ class MoELayer(torch.nn.Module):
             self.planned.append(planner.placements)
         if self.prefetched is None and not self.part_index:
             self.replica_times = C.TimeSink()
-        replicas = cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
+        replicas = self.balancer.cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
         if replicas is None:
             replicas = fetch_replicas(self.experts, placement, self.state, self.replica_times)  # Trans starts
         self.balancer.last_plan_seconds = 0.0
@@ -92,10 +94,11 @@ class MoELayer(torch.nn.Module):
             if not self.balancer.plans_during_dispatch:
                 observe()
                 observe = None
+        cross_layer = self.balancer.cross_layer
         hooks = RunHooks(_both(observe, while_dispatching),
                          lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()), while_combining)
         y = self.schedule.run(routed, placement, self.experts, replicas, hooks)  # [b*s, h]
-        cross_layer.after_layer(self)
+        self.balancer.cross_layer.after_layer(self)
         stats = self.schedule.stats(routed, placement)
         stats.plan_seconds, stats.replica_times = self.balancer.last_plan_seconds, self.replica_times
         if self.experts.slot_table is not None:  # vExperts beyond one per expert (co-located ones too)

@@ -33,7 +33,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 
 
 @dataclass

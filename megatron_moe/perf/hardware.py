@@ -49,14 +49,39 @@ import yaml
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.perf.alpha_beta import AlphaBeta
-from megatron_moe.config.validate import section_check
-from megatron_moe.registry import Hooks
+from megatron_moe.config.validate import expert_ffn_hidden_size, section_check
+from megatron_moe.config.registry import Hooks
 
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
 BALANCER_OPS = ("p2p", "broadcast", "expert_compute")  # FasterMoE Eq. 7-10 (and the balancers after it)
 LANCET_OPS = ("ep_esp_alltoall",)  # Lancet Alg. 1's all-to-all time (techniques/lancet/lancet.py); expert_compute seeds dW's
 OPS = PARM_OPS + BALANCER_OPS
 LINK_KINDS = ("all_to_all", "all_gather", "all_reduce", "p2p", "broadcast", "reduce")  # cluster.links
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One expert shard's FFN: hidden h, FFN units f (this shard's), gated (SwiGLU) or not."""
+
+    hidden: int = 1024
+    ffn: int = 4096
+    gated: bool = False
+
+    @property
+    def flops_per_row(self) -> float:
+        return 2.0 * self.hidden * self.ffn * (3 if self.gated else 2)
+
+    def params(self, bias: bool, esp_size: int) -> int:
+        """Elements of one expert shard's parameters: w1 [h, (2,) f], w2 [f, h], b1 [(2,) f] and
+        b2's h / N_ESP slice (what *Trans* moves and *Agg* sums)."""
+        width = self.ffn * (2 if self.gated else 1)
+        return self.hidden * (width + self.ffn) + ((width + self.hidden // esp_size) if bias else 0)
+
+
+def expert_shape(cfg, state) -> ExpertShape:
+    """One expert shard of `cfg` on `state` (a ParallelState: its ESP degree)."""
+    return ExpertShape(cfg.model.hidden_size, expert_ffn_hidden_size(cfg) // state.esp_size,
+                       cfg.model.activation == "swiglu")
 
 
 @dataclass(frozen=True)

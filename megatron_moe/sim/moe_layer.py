@@ -37,7 +37,7 @@ import torch
 from megatron_moe.moe.balancers.base import OwnerOnly
 from megatron_moe.moe.placement import Placement, owned_experts
 from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 from megatron_moe.sim.ops import Op, OpBuilder, Traffic
 from megatron_moe.sim.traces import split_even
 

@@ -41,8 +41,7 @@ from megatron_moe.model.pipeline_stages import StageChunks
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.vexperts import SlotTable
 from megatron_moe.perf import timing
-from megatron_moe.perf.calibrate import ExpertShape
-from megatron_moe.perf.hardware import HardwareProfile, save_profile
+from megatron_moe.perf.hardware import ExpertShape, HardwareProfile, save_profile
 from megatron_moe.techniques.lancet.lancet_partition_model import partition_max_range
 from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import WorldLayout

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence

@@ -5,7 +5,7 @@ import math
 
 from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.config.validate import section_check
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 
 LR_SCHEDULES = Registry("optimizer.lr_schedule")
 

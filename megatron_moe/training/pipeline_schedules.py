@@ -30,7 +30,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import micro_batches as config_micro_batches, section_check
 

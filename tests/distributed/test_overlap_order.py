@@ -18,6 +18,7 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.techniques.proprophet import cross_layer
+from megatron_moe.model.transformer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.techniques.fastermoe.smart import SMART_KIND
 from tests.distributed.harness import BACKENDS, device, run_distributed
@@ -81,7 +82,7 @@ def _prefetch(state, overlap: bool) -> dict:
     cfg.moe.balancer, cfg.perf.hardware_profile = "proprophet", PROFILE
     cfg.moe.proprophet.min_replicas, cfg.moe.proprophet.overlap = 1, overlap
     layers = [_layer(cfg, state, i, random_full_weights(cfg, seed=10 + i)) for i in range(2)]
-    cross_layer.link_moe_layers(layers)
+    link_moe_layers(layers)
     log = []
     for i, layer in enumerate(layers):
         _record_experts(layer, log, f"L{i}")

@@ -448,7 +448,7 @@ class _State:
 
 
 def test_ep_ranks_per_node_for_hierarchical_eplb():
-    from megatron_moe.moe.balancers.vexpert_base import ep_ranks_per_node
+    from megatron_moe.techniques.flexmoe.vexpert_base import ep_ranks_per_node
 
     assert ep_ranks_per_node(_State([0, 1, 2, 3], None)) is None  # one node
     assert ep_ranks_per_node(_State([0, 1, 2, 3], 4)) is None  # the whole group on one node

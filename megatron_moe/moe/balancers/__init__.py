@@ -1,6 +1,6 @@
 """Balancers: policies that turn token counts into a Placement (registry keyed by `moe.balancer`)."""
 from megatron_moe.config.validate import section_check
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 
 BALANCERS = Registry("moe.balancer")  # entries: balancers/base.py ("none"), techniques/*/
 

@@ -1,6 +1,6 @@
 """Schedules: how tokens travel between ranks in an MoE layer (registry keyed by `moe.schedule`)."""
 from megatron_moe.config.validate import section_check
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
 
 SCHEDULES = Registry("moe.schedule")  # entries: schedules/baseline.py, techniques/parm/parm.py
 # byte-counter kinds of the token all-to-alls (plain, SAA's phased point to point, the smart schedule's

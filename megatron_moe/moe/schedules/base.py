@@ -43,6 +43,11 @@ from megatron_moe.moe.experts import ExpertBatch, Experts
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router, Routing
 from megatron_moe.moe.stats import MoEStats
+from megatron_moe.config.registry import Registry
+
+# moe.smart_schedule's pairwise exchange, "smart" (techniques/fastermoe/smart.py `Smart`: Plan,
+# peer_group, exchange): a schedule builds its parts, the exchange itself lives with FasterMoE
+EXCHANGES: Registry = Registry("moe.smart_schedule")
 
 
 @dataclass
@@ -153,15 +158,14 @@ class Schedule(ABC):
         raise NotImplementedError
 
     def run_smart(self, routed: Routed, placement: Placement, experts: Experts, replicas) -> torch.Tensor:
-        from megatron_moe.techniques.fastermoe.smart import smart_exchange
-
+        smart = EXCHANGES.get("smart")
         send, ctx, plan, after_experts = self.smart_parts(routed, placement)
 
         def compute(batch: ExpertBatch, replica_stacks) -> torch.Tensor:
             held = replicas.with_stacks(replica_stacks) if replicas is not None else None
             return after_experts(experts(batch, held, grad_scale=self.expert_grad_scale))
 
-        return self.smart_finish(smart_exchange(send, plan, compute, replicas), ctx)
+        return self.smart_finish(smart.exchange(send, plan, compute, replicas), ctx)
 
 
 def even_split(n: int, parts: int) -> List[int]:

@@ -24,9 +24,8 @@ import numpy as np
 
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.techniques.eplb.eplb_plan import rebalance
-from megatron_moe.moe.balancers.vexpert_base import SlotBalancer, ep_ranks_per_node
+from megatron_moe.techniques.flexmoe.vexpert_base import SlotBalancer, check_options, ep_ranks_per_node
 from megatron_moe.config.validate import section_check
-from megatron_moe.moe.balancers.vexpert_base import check_options
 
 
 def eplb_slots_per_rank(cfg, ep_size: int) -> int:

@@ -26,9 +26,8 @@ import torch
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
-from megatron_moe.perf.calibrate import expert_shape
 from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
-from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
+from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile, expert_shape
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 from megatron_moe.perf.hardware import PROFILE_NEEDS

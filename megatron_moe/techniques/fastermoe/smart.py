@@ -35,6 +35,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.schedules.base import EXCHANGES
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 
@@ -168,6 +169,15 @@ def smart_peer_group(group_size_in_ep_ranks: int, esp_size: int, exchange_over_e
 
 
 __all__ = ["SmartPlan", "smart_exchange", "smart_peer_group", "SMART_KIND"]
+
+
+@EXCHANGES.register("smart")
+class Smart:
+    """The smart schedule as the schedules reach it (moe/schedules/base.py `EXCHANGES`)."""
+
+    Plan = SmartPlan
+    peer_group = staticmethod(smart_peer_group)
+    exchange = staticmethod(smart_exchange)
 
 
 @section_check("moe.smart_schedule")

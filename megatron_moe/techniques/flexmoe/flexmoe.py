@@ -25,12 +25,10 @@ import numpy as np
 
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.techniques.flexmoe.flexmoe_plan import Expand, FlexCostModel, Migrate, Shrink, apply_ops, schedule
-from megatron_moe.moe.balancers.vexpert_base import SlotBalancer
-from megatron_moe.perf.calibrate import expert_shape
-from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
+from megatron_moe.techniques.flexmoe.vexpert_base import SlotBalancer, check_options
+from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile, expert_shape
 from megatron_moe.config.validate import section_check
 from megatron_moe.perf.hardware import PROFILE_NEEDS
-from megatron_moe.moe.balancers.vexpert_base import check_options
 
 _KIND = {Expand: "expand", Shrink: "shrink", Migrate: "migrate"}
 

@@ -47,6 +47,7 @@ from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
 from megatron_moe.perf.timing import Duration
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
+from megatron_moe.model.pipeline_stages import STAGE_HOOKS
 from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
@@ -111,6 +112,10 @@ class WGradScheduler:
             self.seconds_per_flop += _SMOOTHING * (float(duration) / flops - self.seconds_per_flop)
         return span.duration
 
+    def linear(self, x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[torch.nn.Parameter]) -> torch.Tensor:
+        """`deferred_linear` with this scheduler (what tensor_parallel/layers.py calls on its `wgrad`)."""
+        return deferred_linear(x, weight, bias, self)
+
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
     """param.grad += grad (rows `index` of it when given), creating it as autograd would."""
@@ -172,6 +177,7 @@ def attach(model: torch.nn.Module, scheduler: WGradScheduler) -> None:
             schedule.wgrad = scheduler
 
 
+@STAGE_HOOKS.register("moe.lancet.defer_wgrad")
 def attach_from_config(model: torch.nn.Module, cfg) -> Optional[WGradScheduler]:
     """`attach` a scheduler built from `cfg` when `moe.lancet.defer_wgrad` is on; returns it."""
     scheduler = build_scheduler(cfg)

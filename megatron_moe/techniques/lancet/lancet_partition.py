@@ -54,6 +54,7 @@ from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, 
                                                 fixed_partitioning, partition_max_range, segment_time)
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
+from megatron_moe.model.pipeline_stages import STAGE_HOOKS
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)
 
@@ -219,6 +220,7 @@ class ForwardPartitioner:
         return instructions
 
 
+@STAGE_HOOKS.register("moe.lancet.partitions")
 def from_config(cfg, state, rng, layers) -> Optional[ForwardPartitioner]:
     """The model's partitioner when `moe.lancet.partitions` > 1, else None."""
     lancet = cfg.moe.lancet

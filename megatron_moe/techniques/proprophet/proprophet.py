@@ -45,8 +45,8 @@ from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
 from megatron_moe.moe.placement import Placement, owner_table
 from megatron_moe.perf import timing
-from megatron_moe.perf.calibrate import expert_shape
-from megatron_moe.perf.hardware import configured_profile
+from megatron_moe.perf.hardware import configured_profile, expert_shape
+from megatron_moe.techniques.proprophet import cross_layer
 from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
@@ -276,6 +276,8 @@ def lightweight_placement(counts: torch.Tensor, source_ep_ranks: Sequence[int], 
 @BALANCERS.register("proprophet")
 class ProProphet(Balancer):
     """Alg. 1 with locality: the plan searched on one forward's distribution serves the next ones."""
+
+    cross_layer = cross_layer  # Alg. 2's block-wise scheduler (active with moe.proprophet.overlap)
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)

@@ -85,6 +85,10 @@ class Hooks(Generic[T]):
             raise ValueError(f"{self.what}: '{name}' is not one of {self.order}")
         return self._hooks.register(name)
 
+    def get(self, name: str) -> T:
+        """The hook registered as `name` (one of `order`)."""
+        return dict(self.items((name,)))[name]
+
     def items(self, names: Sequence[str] = ()) -> Iterator[Tuple[str, T]]:
         """(name, hook) for `names` (default: all), in `order`."""
         load_plugins()
@@ -92,5 +96,6 @@ class Hooks(Generic[T]):
             if names and name not in names:
                 continue
             if name not in self._hooks._entries:
-                raise RuntimeError(f"{self.what}: nothing registered '{name}' (is its module in megatron_moe/plugins.py?)")
+                raise RuntimeError(f"{self.what}: nothing registered '{name}' "
+                                   "(is its module in megatron_moe/plugins.py?)")
             yield name, self._hooks._entries[name]
