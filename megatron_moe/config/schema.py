@@ -3,7 +3,7 @@
 Every knob a user can set lives here with its default and a one-line comment; `docs/configs.md`
 documents them. YAML files and `section.key=value` overrides are merged onto these dataclasses by
 `config/load.py` (OmegaConf structured configs), which rejects unknown keys and wrong types;
-`config/validate.py` checks the combinations.
+`config/validate.py` checks the combinations (each section's rules next to its code, §0.2 of docs/design.md).
 """
 from __future__ import annotations
 
