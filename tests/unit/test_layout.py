@@ -176,3 +176,33 @@ def test_find_cycle_names_the_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(edges) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_config_alone_runs_every_section_check():
+    """A process that imports only `megatron_moe.config` still runs the techniques' rules (the
+    plugins load by name on first use), and its registries know every entry."""
+    import subprocess
+    import sys
+
+    code = ("from megatron_moe.config import ConfigError, load_config, validate_config\n"
+            "from megatron_moe.config.validate import SECTION_CHECKS\n"
+            "assert [name for name, _ in SECTION_CHECKS.items()] == list(SECTION_CHECKS.order)\n"
+            "try:\n"
+            "    validate_config(load_config(None, ['moe.saa=true']), 1)\n"
+            "except ConfigError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.join(ROOT, ".."))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "moe.saa=true needs moe.schedule s2 or auto, not 'baseline'"
+
+
+def test_a_hook_nobody_registered_is_an_error():
+    from megatron_moe.config.registry import Hooks
+
+    hooks = Hooks("test hook", ("registered", "forgotten"))
+    hooks.register("registered")(lambda: None)
+    with pytest.raises(RuntimeError, match="nothing registered 'forgotten'"):
+        list(hooks.items())
+    with pytest.raises(ValueError, match="'unknown' is not one of"):
+        hooks.register("unknown")
