@@ -272,9 +272,6 @@ def _check_parm(cfg: Config) -> None:
         # ranks sharing a TP group or an ep_esp group must pick alike (moe/schedules/parm.py)
         raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
                           f"parallel.expert_shard={ep_esp} to divide one another")
-    if moe.lancet.defer_wgrad and cfg.training.precision == "bf16":
-        raise ConfigError("moe.lancet.defer_wgrad=true and training.precision=bf16 cannot be combined yet: the "
-                          "deferred weight gradients are computed in fp32 outside autocast")
     _check_lancet_partitions(cfg)
     if moe.smart_schedule and moe.saa:
         raise ConfigError("moe.smart_schedule=true and moe.saa=true cannot be combined: both reschedule S2's combine")

@@ -41,6 +41,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.model.precision import accumulate_wgrad_, grad_buffer
 from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
@@ -110,13 +111,13 @@ class WGradScheduler:
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
-    """param.grad += grad (rows `index` of it when given), creating it as autograd would."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
+    """param's gradient (fp32 `main_grad` in bf16 runs, else `.grad`, created as autograd would)
+    += grad (rows `index` of it when given)."""
+    buffer = grad_buffer(param)
     if index is None:
-        param.grad.add_(grad.view_as(param.grad))
+        buffer.add_(grad.view_as(buffer))
     else:
-        param.grad.index_add_(0, index, grad)
+        buffer.index_add_(0, index, grad.to(buffer.dtype))
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -135,8 +136,8 @@ class _DeferredLinear(torch.autograd.Function):
         dx = grad.matmul(weight.detach().view(ctx.shape))
         rows, dy = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
 
-        def dw():
-            accumulate_grad(weight, dy.t().matmul(rows))
+        def dw():  # straight into the fp32 main gradient in bf16 runs (model/precision.py)
+            accumulate_wgrad_(grad_buffer(weight).view(-1, rows.shape[1]), dy.t(), rows)
             if bias is not None:
                 accumulate_grad(bias, dy.sum(0))
 

@@ -1,0 +1,136 @@
+"""bf16 training the Megatron way (issue #29, docs/precision.md), one process: bf16 parameters with
+fp32 main gradients, AdamW on fp32 masters equal to torch's AdamW in fp32, checkpoints that hold
+fp32 weights (fp32 <-> bf16 resume exactly, bf16 resumes bit for bit)."""
+import pytest
+import torch
+
+from megatron_moe.config import load_config
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.gpt import GPTMoEModel
+from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.model.precision import cast_params_
+from megatron_moe.training.distributed_optimizer import DistributedOptimizer
+from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
+from megatron_moe.training.optimizer import build_optimizer
+from megatron_moe.training.trainer import Trainer
+from tests.checkpoint_helpers import synthetic_datasets
+
+BASE = ["training.train_iters=4", "training.log_interval=1", "training.eval_interval=0",
+        "training.micro_batch_size=2", "training.global_batch_size=4", "model.seq_length=16",
+        "logging.tensorboard=false", "optimizer.warmup_iters=1", "model.vocab_size=128"]
+
+
+def _config(tmp, name, extra=()):
+    return load_config("configs/gpt_moe_tiny.yaml", BASE + [f"training.run_dir={tmp}/{name}", f"checkpoint.dir={tmp}/{name}-ckpt"]
+                       + list(extra))
+
+
+def _trainer(tmp, name, extra=()):
+    return Trainer(_config(tmp, name, extra), ParallelState.single_process(), datasets=synthetic_datasets)
+
+
+def test_bf16_model_accumulates_fp32_main_grads():
+    """Parameters bf16, gradients of two micro-batches summed in fp32 `main_grad`, nothing left
+    in `.grad`; router logits and the loss fp32."""
+    cfg = load_config("configs/gpt_moe_tiny.yaml", ["model.seq_length=8", "model.vocab_size=64", "moe.num_experts=4"])
+    one = ParallelState.single_process()
+    model = cast_params_(GPTMoEModel(cfg, one), "bf16")
+    optimizer = build_optimizer(model, cfg.optimizer)
+    assert isinstance(optimizer, MixedPrecisionAdamW)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    optimizer.zero_grad()
+    grads = []
+    for _ in range(2):
+        out = model(tokens, tokens)
+        assert out.lm_loss.dtype == torch.float32
+        (out.lm_loss + out.aux_loss).backward()
+        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    for name, p in model.named_parameters():
+        assert p.grad is None and p.main_grad.dtype == torch.float32, name
+        torch.testing.assert_close(grads[1][name], 2 * grads[0][name], rtol=1e-6, atol=1e-9)  # same batch twice
+
+
+def test_master_weights_step_like_fp32_adamw():
+    """MixedPrecisionAdamW on bf16 parameters with fp32 main gradients == torch's fused AdamW on
+    fp32 copies: the masters bit for bit, the parameters their bf16 rounding."""
+    one = ParallelState.single_process()
+    torch.manual_seed(0)
+    params = [make_param(ParamMeta("dense", (5, 3), role="weight"), one), make_param(ParamMeta("dense", (3,), role="bias"), one)]
+    for p in params:
+        p.data.normal_()
+    ref = [torch.nn.Parameter(p.detach().bfloat16().float()) for p in params]
+    groups = [{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+    for p in params:
+        p.data = p.data.bfloat16()
+    ours = MixedPrecisionAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    theirs = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
+                               lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    for step in range(3):
+        ours.zero_grad()
+        for p, r in zip(params, ref):
+            r.grad = torch.randn(r.shape, generator=torch.Generator().manual_seed(step))
+            p.main_grad.copy_(r.grad)
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):
+        assert torch.equal(ours.state[p]["master"], r.detach())
+        assert torch.equal(p.detach(), r.detach().bfloat16())
+        assert torch.equal(ours.state[p]["exp_avg_sq"], theirs.state[r]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_checkpoints_hold_fp32_weights_across_precisions(tmp_path, distributed):
+    """An fp32 run's checkpoint loads into a bf16 run's masters exactly (weights and moments), and
+    a bf16 run's checkpoint holds its masters: an fp32 run loads them as its weights; a bf16 run
+    resumed from its own checkpoint continues bit for bit."""
+    opt = ["optimizer.distributed=true"] if distributed else []
+    save = ["checkpoint.save_interval=2", "checkpoint.keep_last=0"]
+    fp32 = _trainer(tmp_path, "fp32", save + opt)
+    fp32.train()
+    at2 = f"{tmp_path}/fp32-ckpt/iter_0000002"
+    bf16 = _trainer(tmp_path, "bf16-from-fp32", ["training.precision=bf16", f"checkpoint.load={at2}",
+                                                 "training.train_iters=2"] + opt)
+    bf16.train()  # nothing left to run: the state is the loaded one
+    want = _trainer(tmp_path, "fp32-again", [f"checkpoint.load={at2}", "training.train_iters=2"] + opt)
+    want.train()
+    masters, moments = _masters_and_moments(bf16)
+    ref_weights = {n: p.detach() for n, p in want.model.named_parameters()}
+    _, ref_moments = _masters_and_moments(want)
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(master, ref_weights[name]), name
+        assert torch.equal(moments[name], ref_moments[name]), name
+        assert torch.equal(dict(bf16.model.named_parameters())[name].detach(), master.bfloat16()), name
+
+    records = _trainer(tmp_path, "bf16", ["training.precision=bf16"] + save + opt).train()
+    source = _trainer(tmp_path, "bf16-again", ["training.precision=bf16", "training.train_iters=4",
+                                               f"checkpoint.load={tmp_path}/bf16-ckpt/iter_0000002"] + opt)
+    assert [(r["loss"], r["grad_norm"]) for r in source.train()] == [(r["loss"], r["grad_norm"]) for r in records[2:]]
+    back = _trainer(tmp_path, "fp32-from-bf16", [f"checkpoint.load={tmp_path}/bf16-ckpt/iter_0000004"] + opt)
+    back.load_checkpoint()
+    masters, _ = _masters_and_moments(source)  # after its iteration 4: what the checkpoint of 4 holds
+    for name, p in back.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[name]), name
+
+
+def _masters_and_moments(trainer):
+    """name -> fp32 weights (the masters in bf16 runs, else the parameters) and exp_avg, whole
+    (single process: a distributed optimizer's shard is the whole flat buffer)."""
+    opt = trainer.optimizer
+    named = dict(trainer.model.named_parameters())
+    if isinstance(opt, DistributedOptimizer):
+        weights, moments = {}, {}
+        for name, st in opt.sharded_states().items():
+            shape = named[name].shape
+            weights[name] = _whole(st.get("master"), shape) if "master" in st else named[name].detach()
+            moments[name] = _whole(st["exp_avg"], shape)
+        return weights, moments
+    weights = {n: opt.state[p]["master"] if "master" in opt.state.get(p, {}) else p.detach() for n, p in named.items()}
+    return weights, {n: opt.state[p]["exp_avg"] for n, p in named.items()}
+
+
+def _whole(boxes, shape):
+    out = torch.zeros(shape)
+    for view, offsets in boxes:
+        out[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] = view
+    return out
