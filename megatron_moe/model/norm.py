@@ -1,7 +1,11 @@
 """LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), parameters replicated across TP.
 
-Both normalize in fp32 (also under bf16 autocast) and return the input's dtype. Input and output
-`[..., hidden]`. Kernels: PyTorch's fused `layer_norm` / `rms_norm`; on CUDA, NVIDIA apex's fused
+Both compute their statistics in fp32 and return the input's dtype. Input and output
+`[..., hidden]`. bf16 parameters and input (`training.precision=bf16`, docs/precision.md): torch's
+fused kernels take them as they are and reduce in fp32 inside (their opmath type), so autograd
+keeps the bf16 input for backward, not an fp32 copy of it (rms_norm: bitwise the fp32 computation
+rounded once; layer_norm: within one bf16 ulp). Otherwise (fp32, or under a user's autocast) the
+input and weights are cast to fp32 first. Kernels: PyTorch's fused `layer_norm` / `rms_norm`; on CUDA, NVIDIA apex's fused
 kernels instead when the real apex is installed (`apex_fused_norms`: its compiled
 `fused_layer_norm_cuda` extension must import; the unrelated PyPI package named `apex` has none
 and is never used).
@@ -35,6 +39,11 @@ def _apex(x: torch.Tensor) -> Optional[Tuple[Callable, Callable]]:
     return apex_fused_norms() if x.is_cuda else None
 
 
+def _native_low_precision(x: torch.Tensor, weight: torch.Tensor, apex) -> bool:
+    """bf16 input and weight, torch's kernels: they normalize in fp32 inside (module docstring)."""
+    return apex is None and x.dtype == weight.dtype == torch.bfloat16
+
+
 class LayerNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, state: ParallelState, *, eps: float = 1e-5, bias: bool = True):
         super().__init__()
@@ -43,8 +52,10 @@ class LayerNorm(torch.nn.Module):
         self.bias = make_param(ParamMeta("dense", (hidden_size,), init="zeros", role="norm"), state) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
         apex = _apex(x)
+        if _native_low_precision(x, self.weight, apex):
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        bias = None if self.bias is None else self.bias.float()
         if apex is not None and bias is not None:
             y = apex[0](x.float(), self.weight.float(), bias, x.shape[-1:], self.eps)
         else:
@@ -62,6 +73,8 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         apex = _apex(x)
+        if _native_low_precision(x, self.weight, apex):
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         if apex is not None:
             y = apex[1](x.float(), self.weight.float(), x.shape[-1:], self.eps)
         else:

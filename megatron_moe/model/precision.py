@@ -54,8 +54,9 @@ def grad_of(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
 
 def grad_dtype(p: torch.nn.Parameter) -> torch.dtype:
-    """The dtype gradients of `p` are summed in: fp32 with a main gradient, else the parameter's."""
-    return torch.float32 if has_main_grad(p) else p.dtype
+    """The dtype gradients of `p` are summed in: fp32 for bf16 parameters (their main gradients),
+    else the parameter's."""
+    return torch.float32 if has_main_grad(p) or p.dtype == torch.bfloat16 else p.dtype
 
 
 def grad_buffer(p: torch.nn.Parameter) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.precision import grad_of, has_main_grad
+from megatron_moe.model.precision import grad_dtype, grad_of, has_main_grad
 
 BUCKET_BYTES = 32 << 20
 
@@ -127,8 +127,9 @@ class GradSync:
             groups, scale = _sync_plan(p, state, replicas)
             if not groups and scale == 1.0:
                 continue
-            key = (groups, scale, p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
+            dtype = grad_dtype(p)  # fp32 main gradients of bf16 parameters
+            key = (groups, scale, dtype, p.device)
+            nbytes = p.numel() * dtype.itemsize
             bucket = open_buckets.get(key)
             if bucket is None or bucket.nbytes + nbytes > bucket_bytes:
                 bucket = open_buckets[key] = _Bucket([], groups, scale)
