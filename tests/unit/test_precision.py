@@ -155,3 +155,37 @@ def _whole(boxes, shape):
     for view, offsets in boxes:
         out[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] = view
     return out
+
+
+@pytest.mark.parametrize("normalization", ["layernorm", "rmsnorm"])
+def test_bf16_norms_compute_in_fp32_and_keep_only_bf16_input(normalization):
+    """bf16 norms (model/norm.py): output and gradients of torch's fp32 norm on the same bf16
+    values, each rounded once to bf16 (within 1 ulp: fp32 reductions in another order); autograd
+    keeps the bf16 input and fp32 [rows, 1] statistics, no fp32 [rows, h] copy."""
+    from megatron_moe.model.norm import LayerNorm, RMSNorm
+
+    one = ParallelState.single_process()
+    norm = RMSNorm(64, one) if normalization == "rmsnorm" else LayerNorm(64, one)
+    gen = torch.Generator().manual_seed(0)
+    for p in norm.parameters():
+        p.data = (1 + 0.1 * torch.randn(p.shape, generator=gen))
+    cast_params_(norm, "bf16")
+    x = (3 * torch.randn(8, 5, 64, generator=gen) + 1).bfloat16().requires_grad_(True)
+    dy = torch.randn(8, 5, 64, generator=gen).bfloat16()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 or t.shape[-1] == 1 for t in saved if t.dim() == 3), \
+        [(t.dtype, tuple(t.shape)) for t in saved]
+    grads = torch.autograd.grad(y, [x, *norm.parameters()], dy)
+    x32 = x.detach().float().requires_grad_(True)
+    params32 = [p.detach().float().requires_grad_(True) for p in norm.parameters()]
+    if normalization == "rmsnorm":
+        y32 = torch.nn.functional.rms_norm(x32, (64,), params32[0], 1e-5)
+    else:
+        y32 = torch.nn.functional.layer_norm(x32, (64,), params32[0], params32[1], 1e-5)
+    want = torch.autograd.grad(y32, [x32, *params32], dy.float())
+    ulp = 2.0 ** -7  # bf16 spacing relative to the value (8 significant bits)
+    for got, ref in zip([y, *grads], [y32, *want]):
+        torch.testing.assert_close(got.float(), ref.bfloat16().float(), rtol=ulp, atol=ulp * float(ref.detach().abs().max()) * 1e-2)
