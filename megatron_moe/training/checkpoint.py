@@ -334,7 +334,6 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
         _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
     adam_states = None
     distributed = isinstance(optimizer, DistributedOptimizer)
-    masters = {}
     if optimizer is not None and meta.get("has_optimizer"):
         if distributed:
             optimizer.reset_state()  # the entries are views into its zeroed shards
@@ -345,7 +344,7 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
             if hasattr(optimizer, "masters_to_params"):
                 for name, p in model.named_parameters():
                     adam_states[name]["master"] = torch.zeros_like(p, dtype=torch.float32)
-        masters = master_weights(model, optimizer, adam_states)
+    masters = master_weights(model, optimizer, adam_states)  # also for weights-only checkpoints
     entries = model_entries(model, state, masters)  # fp32 checkpoints load into bf16 runs' masters
     if optimizer is not None and meta.get("has_optimizer"):
         entries.update(optimizer_entries(model, optimizer, state, adam_states))

@@ -96,7 +96,7 @@ class _FlatGroup:
     decay: bool
     starts: List[int] = field(default_factory=list)  # each parameter's offset in the flat buffer
     flat: torch.Tensor = None  # [N padded]
-    grad: torch.Tensor = None  # [N padded]: the parameters' .grad are views into it
+    grad: torch.Tensor = None  # [N padded] fp32: the parameters' .grad (bf16 runs: main_grad) are views into it
     shard: torch.nn.Parameter = None  # what AdamW steps: flat[lo:hi] (fp32), or its fp32 master copy (bf16)
     lo: int = 0
     hi: int = 0

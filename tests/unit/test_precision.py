@@ -189,3 +189,25 @@ def test_bf16_norms_compute_in_fp32_and_keep_only_bf16_input(normalization):
     ulp = 2.0 ** -7  # bf16 spacing relative to the value (8 significant bits)
     for got, ref in zip([y, *grads], [y32, *want]):
         torch.testing.assert_close(got.float(), ref.bfloat16().float(), rtol=ulp, atol=ulp * float(ref.detach().abs().max()) * 1e-2)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_weights_only_checkpoint_loads_into_the_masters(tmp_path, distributed):
+    """A checkpoint without optimizer state (import-hf, upcycle: `write_model_checkpoint`) starts a
+    bf16 run with masters equal to its fp32 weights, not the seed's (the first step would
+    otherwise copy stale masters over the loaded weights)."""
+    from megatron_moe.convert.offline import write_model_checkpoint
+
+    cfg = _config(tmp_path, "src")
+    gen = torch.Generator().manual_seed(3)
+    fp32 = Trainer(cfg, ParallelState.single_process(), datasets=synthetic_datasets).model
+    weights = {n: torch.randn(p.shape, generator=gen) * 0.02 for n, p in fp32.named_parameters()}
+    for name, p in fp32.named_parameters():  # a padded vocabulary would cut rows; none here (vocab 128)
+        assert p.meta.valid_rows in (None, p.shape[0]), name
+    root = write_model_checkpoint(f"{tmp_path}/weights", cfg, weights)
+    bf16 = _trainer(tmp_path, "bf16", ["training.precision=bf16", f"checkpoint.load={root}"]
+                    + (["optimizer.distributed=true"] if distributed else []))
+    bf16.load_checkpoint()
+    masters, _ = _masters_and_moments(bf16)
+    for name, p in bf16.model.named_parameters():
+        assert torch.equal(masters[name], weights[name]) and torch.equal(p.detach(), weights[name].bfloat16()), name
