@@ -18,7 +18,7 @@ import megatron_moe.techniques.fastermoe.fastermoe  # noqa: F401  ("fastermoe", 
 import megatron_moe.techniques.fastermoe.smart  # noqa: F401  (EXCHANGES: "smart", "moe.smart_schedule")
 import megatron_moe.techniques.fastermoe.topology_gate  # noqa: F401  (GATES: "topology", "moe.topology_gate")
 import megatron_moe.techniques.flexmoe.flexmoe  # noqa: F401  ("flexmoe", "moe.flexmoe")
-import megatron_moe.techniques.lancet.lancet  # noqa: F401  ("moe.lancet.defer_wgrad", STAGE_HOOKS)
+import megatron_moe.techniques.lancet.lancet  # noqa: F401  (STAGE_HOOKS)
 import megatron_moe.techniques.lancet.lancet_partition  # noqa: F401  ("moe.lancet.partitions", STAGE_HOOKS)
 import megatron_moe.techniques.parm.parm  # noqa: F401  ("s1", "s2", "auto", "parm")
 import megatron_moe.techniques.proprophet.proprophet  # noqa: F401  ("proprophet", "moe.proprophet")

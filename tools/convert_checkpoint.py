@@ -3,7 +3,7 @@
 
     reshard    --input CKPT --output OUT --tensor T --expert E --expert-shard S
     reshard    --input CKPT --output FILE.safetensors --consolidated
-    export-hf  --input CKPT --output HF_DIR
+    export-hf  --input CKPT --output HF_DIR [--precision fp32|bf16]   (default: the run's training.precision)
     import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [section.key=value ...]
     upcycle    --input DENSE_CKPT --num-experts N --output CKPT
     upgrade-swiglu --input OLD_CKPT --output CKPT   (SwiGLU checkpoints from before the halves layout)
@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("export-hf", help="Mixtral-shaped checkpoint -> Hugging Face Mixtral directory")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
+    p.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="dtype of the exported weights (default: the checkpoint's training.precision)")
     p = sub.add_parser("import-hf", help="Hugging Face Mixtral directory -> checkpoint")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
         elif args.command == "reshard":
             out = offline.reshard(args.input, args.output, args.tensor, args.expert, args.expert_shard)
         elif args.command == "export-hf":
-            offline.export_hf(args.input, args.output)
+            offline.export_hf(args.input, args.output, args.precision)
             out = args.output
         elif args.command == "import-hf":
             out = offline.import_hf(args.input, args.output, args.config, args.overrides)

@@ -128,7 +128,7 @@ class TrainingConfig:
     eval_interval: int = 50  # 0 = never
     eval_iters: int = 4
     run_dir: str = "runs/default"
-    precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights, fp32 router softmax)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 main grads + master weights; docs/precision.md)
     on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
     recompute: str = "none"  # activation recomputation: none | selective (core attention) | full (every layer)
     compile: bool = False  # torch.compile (TorchInductor) each layer's dense compute (model/compile.py)

@@ -23,7 +23,7 @@ SECTION_CHECKS: Hooks = Hooks("config section check", (
     # selected entries of the registries
     "moe.schedule", "moe.balancer", "moe.gate", "optimizer.lr_schedule", "data.tokenizer.type",
     # the techniques' options and the hardware profile their cost models need
-    "parm", "moe.lancet.defer_wgrad", "moe.lancet.partitions", "moe.smart_schedule", "moe.fastermoe",
+    "parm", "moe.lancet.partitions", "moe.smart_schedule", "moe.fastermoe",
     "moe.proprophet", "moe.flexmoe", "moe.eplb", "perf.hardware_profile",
     "moe.topology_gate",  # after parallel.ranks_per_node
     "parallel.pipeline_schedule", "optimizer.distributed",  # after the batch sizes

@@ -52,10 +52,11 @@ def check_mixtral_shaped(cfg: Config) -> None:
             raise ValueError(f"not Mixtral-shaped: {what}")
 
 
-def hf_config(cfg: Config) -> dict:
+def hf_config(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json of the HF Mixtral equal to `cfg`'s model, its weights stored in `dtype`."""
     m, moe = cfg.model, cfg.moe
     return {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "torch_dtype": "float32",
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "torch_dtype": str(dtype).split(".")[-1],
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
         "intermediate_size": moe.expert_ffn_hidden_size or m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,

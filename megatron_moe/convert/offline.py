@@ -188,12 +188,21 @@ def upcycle(path: str, num_experts: int, out_root: str) -> str:
 
 
 # -- Hugging Face -------------------------------------------------------------------------------
-def export_hf(path: str, out_dir: str) -> None:
+def export_hf(path: str, out_dir: str, precision: Optional[str] = None) -> None:
+    """Checkpoint -> HF Mixtral directory with weights in `precision` (fp32 | bf16; default: the
+    run's `training.precision`). Checkpoints hold fp32 weights (a bf16 run's masters), so either
+    dtype is exported from the fp32 values, rounded once for bf16."""
     from megatron_moe.convert import hf_mixtral
+    from megatron_moe.model.precision import PARAM_DTYPES
 
     path, weights = model_weights(path)
     cfg = checkpoint_config(path, SINGLE)
-    hf_mixtral.write_hf_dir(out_dir, hf_mixtral.hf_config(cfg), hf_mixtral.to_hf(cfg, weights))
+    precision = precision or cfg.training.precision
+    if precision not in PARAM_DTYPES:
+        raise ValueError(f"export-hf --precision {precision}: expected one of {sorted(PARAM_DTYPES)}")
+    dtype = PARAM_DTYPES[precision]
+    tensors = {k: v.to(dtype) for k, v in hf_mixtral.to_hf(cfg, weights).items()}
+    hf_mixtral.write_hf_dir(out_dir, hf_mixtral.hf_config(cfg, dtype), tensors)
 
 
 def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = ()) -> str:

@@ -5,6 +5,8 @@ A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
 * DCP tensor files (`checkpoint_io.py`), every tensor under its global identity:
   `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`; names are the
   same under any pipeline split, model/pipeline_stages.py, each stage writes its own),
+  (fp32 always: a bf16 run saves its fp32 master weights, training/mixed_precision.py, and loads
+  them back into its masters, so fp32 and bf16 runs resume each other's checkpoints),
   `optim/<param name>/exp_avg|exp_avg_sq` (AdamW moments share their parameter's sharding, so
   they reshard with it; a distributed optimizer writes its shards' parts as boxes of the same
   tensors), `optim/<param name>/step` (replicated scalar),
@@ -82,8 +84,33 @@ def param_entry(tensor: Optional[torch.Tensor], meta, state: ParallelState, rows
     return ShardedEntry(tuple(shape), chunks)
 
 
-def model_entries(model: torch.nn.Module, state: ParallelState) -> Dict[str, ShardedEntry]:
-    return {f"model/{name}": param_entry(p, p.meta, state, _rows(p)) for name, p in model.named_parameters()}
+def model_entries(model: torch.nn.Module, state: ParallelState, masters=None) -> Dict[str, ShardedEntry]:
+    """`model/<name>` entries: the parameters, or in bf16 runs their fp32 masters (`masters`: name ->
+    a tensor of the parameter's shape, or [(box, offsets)] of a distributed optimizer's shard), so
+    a checkpoint holds fp32 weights whatever the run's precision."""
+    masters = masters or {}
+    out = {}
+    for name, p in model.named_parameters():
+        master = masters.get(name)
+        if isinstance(master, list):
+            out[f"model/{name}"] = param_entry(None, p.meta, state, boxes=master)
+        else:
+            out[f"model/{name}"] = param_entry(p if master is None else master, p.meta, state, _rows(p))
+    return out
+
+
+def master_weights(model: torch.nn.Module, optimizer, adam_states=None) -> Dict[str, object]:
+    """name -> fp32 master weights of bf16 parameters (training/mixed_precision.py; the distributed
+    optimizer's: boxes of its master shards); empty in fp32 runs. `adam_states`: the per-name
+    tensors a load fills instead of the live state."""
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, DistributedOptimizer):
+        return {name: st["master"] for name, st in optimizer.sharded_states().items() if "master" in st}
+    if adam_states is not None:
+        return {name: st["master"] for name, st in adam_states.items() if "master" in st}
+    return {name: optimizer.state[p]["master"] for name, p in model.named_parameters()
+            if "master" in optimizer.state.get(p, {})}
 
 
 def _rows(p: torch.nn.Parameter):
@@ -190,7 +217,8 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     (`trainer_state`: plain JSON counters of the trainer, returned as meta["trainer"] on load)."""
     if not cfg.checkpoint.dir:
         raise CheckpointError("checkpoint.dir is not set; cannot save a checkpoint")
-    entries = {**model_entries(model, state), **optimizer_entries(model, optimizer, state)}
+    entries = {**model_entries(model, state, master_weights(model, optimizer)),
+               **optimizer_entries(model, optimizer, state)}
     entries.update({k: full_entry(v) for k, v in _rng_states(model, state).items()})
     meta = {"iteration": iteration, "consumed_samples": iteration * cfg.training.global_batch_size,
             "layout": layout_dict(state), "has_optimizer": True, "trainer": trainer_state or {}}
@@ -306,15 +334,21 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
     saved = meta.get("balancers")
     if saved and saved["balancer"] == cfg.moe.balancer and saved["layout"] == layout_dict(state):
         _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
-    entries = model_entries(model, state)
     adam_states = None
     distributed = isinstance(optimizer, DistributedOptimizer)
     if optimizer is not None and meta.get("has_optimizer"):
         if distributed:
             optimizer.reset_state()  # the entries are views into its zeroed shards
-        else:
-            adam_states = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+        else:  # fp32 moments (and, bf16 runs, fp32 masters) whatever the parameters' dtype
+            adam_states = {name: {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                                  "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
                                   "step": torch.zeros((), dtype=torch.float32)} for name, p in model.named_parameters()}
+            if hasattr(optimizer, "masters_to_params"):
+                for name, p in model.named_parameters():
+                    adam_states[name]["master"] = torch.zeros_like(p, dtype=torch.float32)
+    masters = master_weights(model, optimizer, adam_states)  # also for weights-only checkpoints
+    entries = model_entries(model, state, masters)  # fp32 checkpoints load into bf16 runs' masters
+    if optimizer is not None and meta.get("has_optimizer"):
         entries.update(optimizer_entries(model, optimizer, state, adam_states))
     same_layout = meta["layout"] == layout_dict(state)
     rng = {}
@@ -328,12 +362,14 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
         load_entries(entries, path)
     for name, p in model.named_parameters():  # vExperts held twice on a rank: one copy was loaded
         if hasattr(p, "vexpert_slots"):
-            fill_duplicates(p.vexpert_slots, [p.data] + ([adam_states[name]["exp_avg"], adam_states[name]["exp_avg_sq"]]
-                                                         if adam_states is not None else []))
+            fill_duplicates(p.vexpert_slots, [p.data] + ([adam_states[name][k] for k in ("exp_avg", "exp_avg_sq", "master")
+                                                          if k in adam_states[name]] if adam_states is not None else []))
     if adam_states is not None:
         _set_adam_states(model, optimizer, adam_states)
     elif distributed and meta.get("has_optimizer"):
         optimizer.load_steps()
+    if masters:  # bf16 runs: the parameters from the fp32 masters just loaded
+        optimizer.masters_to_params()
     _set_rng_states(model, state, rng)
     return meta
 

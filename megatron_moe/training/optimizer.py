@@ -9,6 +9,8 @@ Megatron-LM, which exempts only biases and norm parameters) decay; biases ("bias
 CUDA; ~8x faster than the per-tensor loop torch picks by default on CPU) is used when every
 parameter is a float tensor on one of those; otherwise torch's default implementation.
 `optimizer.distributed` shards the state over the replicas (training/distributed_optimizer.py).
+bf16 parameters (`training.precision: bf16`) get AdamW over fp32 master copies
+(training/mixed_precision.py).
 """
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optiona
     if cfg.distributed:
         return DistributedOptimizer(model, cfg, state or ParallelState.single_process())
     params = [p for p in model.parameters() if p.requires_grad]
+    if any(p.dtype != torch.float32 for p in params):  # bf16 parameters: fp32 masters (training/mixed_precision.py)
+        from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
+
+        return MixedPrecisionAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused_ok(params))
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=True if fused_ok(params) else None)

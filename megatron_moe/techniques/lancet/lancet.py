@@ -41,12 +41,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.model.precision import accumulate_wgrad_, grad_buffer
 from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
 from megatron_moe.perf.timing import Duration
-from megatron_moe.config.errors import ConfigError
-from megatron_moe.config.validate import section_check
 from megatron_moe.model.pipeline_stages import STAGE_HOOKS
 from megatron_moe.perf.hardware import PROFILE_NEEDS
 
@@ -118,13 +117,13 @@ class WGradScheduler:
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
-    """param.grad += grad (rows `index` of it when given), creating it as autograd would."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
+    """param's gradient (fp32 `main_grad` in bf16 runs, else `.grad`, created as autograd would)
+    += grad (rows `index` of it when given)."""
+    buffer = grad_buffer(param)
     if index is None:
-        param.grad.add_(grad.view_as(param.grad))
+        buffer.add_(grad.view_as(buffer))
     else:
-        param.grad.index_add_(0, index, grad)
+        buffer.index_add_(0, index, grad.to(buffer.dtype))
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -143,8 +142,8 @@ class _DeferredLinear(torch.autograd.Function):
         dx = grad.matmul(weight.detach().view(ctx.shape))
         rows, dy = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
 
-        def dw():
-            accumulate_grad(weight, dy.t().matmul(rows))
+        def dw():  # straight into the fp32 main gradient in bf16 runs (model/precision.py)
+            accumulate_wgrad_(grad_buffer(weight).view(-1, rows.shape[1]), dy.t(), rows)
             if bias is not None:
                 accumulate_grad(bias, dy.sum(0))
 
@@ -196,13 +195,6 @@ def build_scheduler(cfg) -> Optional[WGradScheduler]:
     compute = profile.expert_compute
     return WGradScheduler(profile.ep_esp_alltoall,
                           seconds_per_flop=compute.beta if compute is not None and compute.beta > 0 else 1e-10)
-
-
-@section_check("moe.lancet.defer_wgrad")
-def _check_defer_wgrad(cfg, world_size: int) -> None:
-    if cfg.moe.lancet.defer_wgrad and cfg.training.precision == "bf16":
-        raise ConfigError("moe.lancet.defer_wgrad=true and training.precision=bf16 cannot be combined yet: the "
-                          "deferred weight gradients are computed in fp32 outside autocast")
 
 
 @PROFILE_NEEDS.register("lancet")
