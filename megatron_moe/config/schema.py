@@ -49,8 +49,11 @@ class ProProphetConfig:
 @dataclass
 class FlexMoEConfig:
     slots_per_rank: Optional[int] = None  # vExpert slots per EP rank (>= E/ep); null = E/ep + 1
-    interval: int = 10  # run the scheduler (Alg. 1) every N iterations, on their mean loads
+    interval: int = 10  # trigger=interval: run Alg. 1 every N iterations; trigger=threshold: longest load window
     threshold: float = 1.1  # Alg. 1: Expand / Shrink while the balance ratio (Eq. 6) exceeds this
+    trigger: str = "threshold"  # threshold: check Eq. 6 every iteration, plan when it exceeds threshold | interval
+    policy: str = "straggler"  # Alg. 2's candidates: straggler (relative to the slowest GPU, general Migrate) | printed
+    amortize_steps: Optional[int] = None  # iterations a move's transfer cost is spread over; null = 100 (threshold) / interval
 
 
 @dataclass
@@ -58,6 +61,7 @@ class EPLBConfig:
     redundant_slots: Optional[int] = None  # slots beyond E over the EP group ((E + this) % ep == 0); null = ep (0 on one rank)
     interval: int = 10  # re-plan every N iterations
     ema: float = 0.5  # weight of the newest window's loads in the moving average (1 = newest only)
+    hierarchical: str = "auto"  # pack experts onto nodes first: auto (only with group-limited routing) | true | false
 
 
 @dataclass

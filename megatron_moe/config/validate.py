@@ -306,12 +306,16 @@ def _check_vexperts(cfg: Config) -> None:
     if moe.balancer not in ("flexmoe", "eplb"):
         return
     if moe.balancer == "flexmoe":  # each balancer's own section only
+        from megatron_moe.moe.balancers.flexmoe_policy import check_flexmoe_config
+        check_flexmoe_config(cfg)
         checks = [("flexmoe.slots_per_rank", fm.slots_per_rank,
                    fm.slots_per_rank is None or fm.slots_per_rank >= per_rank,
                    f">= moe.num_experts / parallel.expert = {per_rank} (or null)"),
                   ("flexmoe.interval", fm.interval, fm.interval >= 1, ">= 1"),
                   ("flexmoe.threshold", fm.threshold, fm.threshold >= 1.0, ">= 1.0 (a balance ratio)")]
     else:
+        from megatron_moe.moe.balancers.eplb import check_eplb_config
+        check_eplb_config(cfg)
         redundant = eplb.redundant_slots if eplb.redundant_slots is not None else (ep if ep > 1 else 0)
         checks = [("eplb.interval", eplb.interval, eplb.interval >= 1, ">= 1"),
                   ("eplb.ema", eplb.ema, 0.0 < eplb.ema <= 1.0, "in (0, 1]"),
