@@ -34,7 +34,7 @@ class ModelConfig:
 @dataclass
 class FasterMoEConfig:
     min_shadow: int = 0  # shadow at least the k most popular experts every forward, whatever Eq. 7-8 say
-    token_term: bool = True  # Eq. 8 keeps Eq. 7's token traffic (FastMoE's release); false = the paper as printed
+    eq8: str = "printed"  # Eq. 8: printed (the paper) | token_term (Eq. 7's token term kept) | fastmoe (FastMoE's release)
 
 
 @dataclass

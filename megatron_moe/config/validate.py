@@ -281,6 +281,9 @@ def _check_parm(cfg: Config) -> None:
     if moe.smart_group_size < 1 or par.expert % moe.smart_group_size:
         raise ConfigError(f"moe.smart_group_size={moe.smart_group_size} must be >= 1 and divide "
                           f"parallel.expert={par.expert}")
+    if moe.balancer == "fastermoe":
+        from megatron_moe.moe.balancers.fastermoe import check_fastermoe_config
+        check_fastermoe_config(cfg)
     if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
         raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
     pp = moe.proprophet
