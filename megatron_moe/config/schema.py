@@ -44,6 +44,7 @@ class ProProphetConfig:
     bottom_k: int = 0  # Alg. 1's n: devices with the fewest rows of a selected expert that do not get it
     overlap: bool = False  # block-wise scheduler (Alg. 2): Plan during the all-to-all, Trans one block early, Eq. 8
     min_replicas: int = 0  # place at least k experts on several devices every forward, whatever Eq. 6 says (tests)
+    rows: str = "balanced"  # a replica's rows: balanced (water-filled over its devices) | local (each its own sources', §4.2)
 
 
 @dataclass

@@ -287,6 +287,9 @@ def _check_parm(cfg: Config) -> None:
     if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
         raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
     pp = moe.proprophet
+    if moe.balancer == "proprophet":
+        from megatron_moe.moe.balancers.proprophet import check_proprophet_config
+        check_proprophet_config(cfg)
     for key, value, ok, rule in [("alpha", pp.alpha, pp.alpha >= 0, ">= 0"),
                                  ("plan_interval", pp.plan_interval, pp.plan_interval >= 1, ">= 1"),
                                  ("bottom_k", pp.bottom_k, pp.bottom_k >= 0, ">= 0"),
