@@ -411,8 +411,8 @@ class Simulation:
         return float(timeline.clock[rank])
 
     def after_step(self, iteration: int, optimizer_state: bool = True) -> Tuple[List[List[Op]], int]:
-        """`SlotBalancer.after_optimizer_step` of every layer without the collectives: every
-        `interval` iterations, decide on the window (summed over the groups' forwards, / edp =
+        """`SlotBalancer.after_optimizer_step` of every layer without the collectives: when the
+        balancer wants a decision (`wants_decision`), decide on the window (summed over the groups' forwards, / edp =
         their mean, the all-reduce "vexpert_plan/edp") and move (weights, and with
         `optimizer_state` both AdamW moments) -> (ops per pipeline stage, primitives executed)."""
         ops, moves = [[] for _ in self.stages], 0
@@ -424,7 +424,7 @@ class Simulation:
                 continue
             balancer.window_iterations += 1
             balancer.last_moves = 0
-            if iteration % balancer.interval:
+            if not balancer.wants_decision(iteration):
                 continue
             ops[self.stage_of[i]].append(b.collective("vexpert_plan", "vexpert_plan", "edp",
                                                       lay.expert * self.cfg.moe.num_experts, 8, "all_reduce"))

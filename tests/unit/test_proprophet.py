@@ -139,3 +139,19 @@ def test_split_trans_takes_the_longest_prefix_that_fits_t_fec():
     assert split_trans([], model, 2, 1.0) == 0
     # the cut is a prefix: a later, cheaper expert does not jump ahead of an expensive one
     assert split_trans([(1, (0, 1, 2, 3)), (4, (1, 0))], model, 2, 0.5) == 0
+
+
+def test_local_rows_keep_every_replicas_own_rows():
+    """`moe.proprophet.rows: local` (§4.2): a device with a replica of e computes exactly its own
+    sources' rows of e and receives none; the owner computes the rest. Balanced rows level loads."""
+    from megatron_moe.techniques.proprophet.proprophet import lightweight_placement
+    T = np.array([[2, 30, 1, 1, 1, 1], [1, 9, 4, 4, 1, 1], [3, 12, 2, 2, 1, 1]])  # expert 1: hot, on device 0
+    local, balanced = Loads(T, "local"), Loads(T)
+    move = local.moved(1, np.array([0, 1, 2]))
+    assert move.share.tolist() == [30, 9, 12] and move.received.tolist() == [0, 0, 0]
+    assert balanced.moved(1, np.array([0, 1, 2])).share.tolist() != [30, 9, 12]
+    counts = torch.tensor([[1, 20, 1, 0, 1, 1], [1, 10, 0, 1, 0, 0], [1, 9, 4, 4, 1, 1], [3, 12, 2, 2, 1, 1]])
+    placement = lightweight_placement(counts, [0, 0, 1, 2], 3, [(1, (0, 2))], rows="local")
+    table = placement.routing_table  # [S, E, ep]
+    assert table[:, 1].tolist() == [[20, 0, 0], [10, 0, 0], [9, 0, 0], [0, 0, 12]]  # device 1 has no replica
+    assert (table.sum(2) == counts).all()

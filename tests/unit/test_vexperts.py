@@ -456,3 +456,25 @@ def test_ep_ranks_per_node_for_hierarchical_eplb():
     assert ep_ranks_per_node(_State([0, 2, 4, 6], 4)) == 2  # strided group (tp = 2): 2 EP ranks per node
     assert ep_ranks_per_node(_State([0, 4, 1, 5], 4)) is None  # nodes interleaved: planned flat
     assert ep_ranks_per_node(_State([0, 1, 2, 4, 5, 8], 4)) is None  # unequal nodes
+
+
+def test_eplb_hierarchical_modes():
+    """`moe.eplb.hierarchical`: auto is global unless the gate is group-limited (`moe.router_groups`
+    > 1 where the config has that key); true follows the nodes; false never."""
+    from types import SimpleNamespace
+
+    from megatron_moe.techniques.eplb.eplb import eplb_ranks_per_node
+
+    state = _State([0, 1, 2, 3], 2)  # two nodes of 2 EP ranks
+
+    def cfg(mode, groups=None):
+        moe = SimpleNamespace(eplb=SimpleNamespace(hierarchical=mode))
+        if groups is not None:
+            moe.router_groups = groups
+        return SimpleNamespace(moe=moe)
+
+    assert eplb_ranks_per_node(cfg("auto"), state) is None
+    assert eplb_ranks_per_node(cfg("auto", 1), state) is None
+    assert eplb_ranks_per_node(cfg("auto", 2), state) == 2
+    assert eplb_ranks_per_node(cfg("True"), state) == 2 and eplb_ranks_per_node(cfg("false", 2), state) is None
+    assert eplb_ranks_per_node(cfg("true"), _State([0, 1, 2, 3], None)) is None  # one node: global

@@ -9,8 +9,8 @@ from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `mo
             newest window)
     plan  = replicate the heaviest experts (by load per replica) into the redundant slots, pack
             the replicas onto ranks by balanced greedy packing; hierarchical (experts packed onto
-            nodes first) when `parallel.ranks_per_node` splits the ``ep`` group over nodes with
-            more than one EP rank on each
+            nodes first) per `moe.eplb.hierarchical` (`eplb_ranks_per_node`): by default only
+            when the gate is group-limited, as in DeepSeek's EPLB
 
 EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
 new experts keep the slots they already had, so only the cells that change move. The FlexMoE
@@ -36,6 +36,36 @@ def eplb_slots_per_rank(cfg, ep_size: int) -> int:
     return (cfg.moe.num_experts + redundant) // ep_size
 
 
+HIERARCHICAL = ("auto", "true", "false")
+
+
+def group_limited(cfg) -> bool:
+    """Whether the gate routes each token to a limited set of expert groups (`moe.router_groups`
+    > 1, issue 31; configs without that key route over all experts)."""
+    return (getattr(cfg.moe, "router_groups", None) or 0) > 1
+
+
+def eplb_ranks_per_node(cfg, state) -> Optional[int]:
+    """EP ranks per node for the hierarchical plan, or None for the global one. `moe.eplb.hierarchical`:
+    auto = hierarchical only under group-limited routing (DeepSeek ties the two: its node-limited
+    gate keeps a token's experts in few nodes, the plan keeps each group's replicas in its node);
+    true = whenever the ``ep`` group spans nodes; false = never. One EP rank per node: no replica
+    could stay inside its node (the plan would refuse any redundant slot), so the plan is global."""
+    mode = str(cfg.moe.eplb.hierarchical).lower()
+    if mode == "false" or (mode == "auto" and not group_limited(cfg)):
+        return None
+    per_node = ep_ranks_per_node(state)
+    return per_node if per_node is not None and per_node > 1 else None
+
+
+def check_eplb_config(cfg) -> None:
+    """`moe.eplb.hierarchical` (called by this technique's section check)."""
+    from megatron_moe.config.errors import ConfigError
+
+    if str(cfg.moe.eplb.hierarchical).lower() not in HIERARCHICAL:
+        raise ConfigError(f"moe.eplb.hierarchical={cfg.moe.eplb.hierarchical!r} must be one of auto, true, false")
+
+
 def keep_in_place(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """`new` [ep, V] with each rank's experts reordered so that an expert the rank already holds
     keeps its slot (the others fill the remaining slots in ascending order)."""
@@ -58,10 +88,7 @@ class EPLB(SlotBalancer):
         eplb = cfg.moe.eplb
         super().__init__(cfg, state, eplb_slots_per_rank(cfg, state.ep_size), eplb.interval)
         self.ema_weight = eplb.ema
-        per_node = ep_ranks_per_node(state)
-        # one EP rank per node: no replica could stay inside its node (the hierarchical plan would
-        # refuse any redundant slot), so plan flat
-        self.ranks_per_node = per_node if per_node is not None and per_node > 1 else None
+        self.ranks_per_node = eplb_ranks_per_node(cfg, state)
         self.average: Optional[np.ndarray] = None  # [E] moving average of rows per iteration
 
     def propose(self, load: np.ndarray):
@@ -71,8 +98,9 @@ class EPLB(SlotBalancer):
         plan, _ = rebalance(self.average, self.ep_size, self.slots_per_rank, self.ranks_per_node)
         old = self.table.slots
         new = keep_in_place(old, plan)
-        changed = new != old
-        return new, {"expand": int((changed & (new >= 0)).sum()), "shrink": int((changed & (old >= 0)).sum())}
+        # a changed slot is one move (its new expert copied from another rank; the old one is
+        # dropped by a tag): counted as FlexMoE counts its Expand, one primitive per transfer
+        return new, {"expand": int(((new != old) & (new >= 0)).sum())}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "average": None if self.average is None else self.average.tolist()}
@@ -88,6 +116,7 @@ def _check_eplb(cfg, world_size: int) -> None:
     moe, ep = cfg.moe, cfg.parallel.expert
     if moe.balancer != "eplb":
         return
+    check_eplb_config(cfg)
     eplb = moe.eplb
     redundant = eplb.redundant_slots if eplb.redundant_slots is not None else (ep if ep > 1 else 0)
     check_options([("eplb.interval", eplb.interval, eplb.interval >= 1, ">= 1"),
