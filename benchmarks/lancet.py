@@ -27,7 +27,7 @@ from megatron_moe.config import load_config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.moe.schedules import A2A_KINDS
-from megatron_moe.perf.timing import init_state, slowest_rank_seconds
+from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
 
 
 def parse_args(argv=None):

@@ -42,7 +42,9 @@ bytes rank 0 (and all ranks: `vexpert_move_bytes_all_ranks`) sent for them, over
 (`before_grad_sync`); for auto rows the schedule Alg. 1 picked (last repetition). The JSON's
 `routing_counts` are every data-parallel rank's routed assignments per expert before drops, per
 TP token piece ([dp][tp][E], S1's pieces): what the cluster simulator replays
-(`benchmarks/sim_validate.py`). Rank 0 prints one JSON object on its last line. Default shapes are sized for 8 processes on 2 CPU cores.
+(`benchmarks/sim_validate.py`). --precision bf16 runs every row on bf16 weights and tokens with
+the weight gradients accumulated into fp32 main gradients, as `training.precision=bf16` trains
+(docs/precision.md). Rank 0 prints one JSON object on its last line. Default shapes are sized for 8 processes on 2 CPU cores.
 """
 import argparse
 import json
@@ -55,13 +57,14 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.model.precision import MainGrads, cast_params_, param_dtype
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.cross_layer import link_moe_layers
+from megatron_moe.model.transformer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
-from megatron_moe.moe.schedules.parm import Auto
+from megatron_moe.techniques.parm.parm import Auto
 from megatron_moe.perf.calibrate import resolve_hardware_profile
-from megatron_moe.perf.timing import init_state, slowest_rank_seconds
+from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
 
 ROWS = {  # name -> (moe.schedule, moe.saa)
     "baseline": ("baseline", False),
@@ -109,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smart-group-size", type=int, default=1, help="moe.smart_group_size")
     p.add_argument("--gate", default="softmax", help="moe.gate (topology: FasterMoE's topology-aware gate)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="simulated node size (inter-node bytes)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: bf16 weights, tokens and gradients, weight gradients into fp32 main grads "
+                        "(training.precision=bf16, docs/precision.md); the deepspeed row is left out")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
@@ -154,7 +160,7 @@ def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: 
 
 class LayerStack(torch.nn.Module):
     """--layers MoE layers in a row (x -> layer 1 -> ... -> layer N), linked for cross-layer
-    scheduling (`moe/cross_layer.py`); `last_stats`: loads and replicas summed over the layers."""
+    scheduling (`techniques/proprophet/cross_layer.py`); `last_stats`: loads and replicas summed over the layers."""
 
     def __init__(self, layers):
         super().__init__()
@@ -186,8 +192,11 @@ def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> La
         if args.skew:
             layer.router.logit_bias = -args.skew * torch.log(torch.arange(1, args.experts + 1, dtype=torch.float32))
         init_model_from_seed_(layer, args.seed + index, state)
-        layers.append(layer)
-    return LayerStack(layers).to(device)
+        layers.append(cast_params_(layer, args.precision))
+    stack = LayerStack(layers).to(device)
+    if args.precision != "fp32":  # dW into fp32 main gradients, as in training (model/precision.py)
+        stack.main_grads = MainGrads([p for p in stack.parameters() if p.requires_grad])
+    return stack
 
 
 class DeepSpeedMPU:
@@ -311,8 +320,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
     gen = torch.Generator().manual_seed(args.seed + state.dp.rank)  # same tokens on a TP group
-    x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device)
-    grad = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device)
+    dtype = param_dtype(args.precision)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device, dtype)
+    grad = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(device, dtype)
     if args.profile is None:  # one profile, calibrated here (or cached), for every row that needs one
         every_need = layer_config(args, "auto", False, "fastermoe" if set(args.balancer) - {"none"} else "none")
         args.profile = resolve_hardware_profile(every_need, state, device, say=lambda msg: print(msg, flush=True),
@@ -338,8 +348,11 @@ def main(argv=None) -> int:
         loads[name] = layer.last_stats.tokens_per_ep_rank
         outputs.setdefault(name, (y.detach(), inp.grad))
         layer.zero_grad(set_to_none=True)
+        if hasattr(layer, "main_grads"):
+            layer.main_grads.zero_()
 
-    deepspeed, deepspeed_skipped = deepspeed_row(args, layers["baseline"].layers[0], state)
+    deepspeed, deepspeed_skipped = (deepspeed_row(args, layers["baseline"].layers[0], state) if args.precision == "fp32"
+                                    else (None, "--precision bf16: the deepspeed row runs fp32 only"))
     if deepspeed is not None:
         deepspeed, times["deepspeed"] = deepspeed.to(device), []
         aux_coeff = layer_config(args, "baseline", False).moe.aux_loss_coeff

@@ -1,4 +1,4 @@
-"""Pro-Prophet's planner (Alg. 1, `moe/balancers/proprophet.py`): how fast it is and how good its
+"""Pro-Prophet's planner (Alg. 1, `techniques/proprophet/proprophet.py`): how fast it is and how good its
 plans are, on Zipf-skewed routing (one process; no communication).
 
     python benchmarks/proprophet_planner.py
@@ -25,12 +25,12 @@ import statistics
 import numpy as np
 import torch
 
-from megatron_moe.moe.balancers.proprophet import (Loads, greedy_search, lightweight_placement, predicted_time,
+from megatron_moe.techniques.proprophet.proprophet import (Loads, greedy_search, lightweight_placement, predicted_time,
                                                    ratios_to_optimum)
 from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import ExpertShape
 from megatron_moe.perf.hardware import load_profile
-from megatron_moe.perf.proprophet_model import ProphetCostModel
+from megatron_moe.techniques.proprophet.proprophet_model import ProphetCostModel
 from megatron_moe.sim.traces import zipf_rows
 
 

@@ -7,8 +7,10 @@ A GPT-MoE (hidden 1024, 4 layers with 2 MoE layers, 256 experts, top-2, sequence
 sequence per GPU) on 1024 GPUs of the FlexMoE A100 testbed profile (128 nodes of 8): expert 64,
 so 16 ep_esp groups (each plans its own placement), drifting Zipf(1.0) routing. Per balancer: the
 wall time of the simulation (trace generation included, start-up excluded), seconds per
-iteration, the predicted iteration time, and the machine's load average around the run (other
-jobs share the cores). The balancers' planners are the training code; their cost at this size
+iteration, the predicted iteration time, the mean balance ratio and the bytes vExpert moves sent,
+and the machine's load average around the run (other jobs share the cores); `flexmoe_vs_eplb`
+compares the two vExpert balancers (issue 30: FlexMoE within 10% of EPLB's mean balance ratio
+with at most a third of its bytes). The balancers' planners are the training code; their cost at this size
 is theirs. One thread: the planners' tensors are small, more threads only contend for 2 cores.
 Prints JSON on its last line.
 """
@@ -18,13 +20,14 @@ import os
 import sys
 import tempfile
 
+import numpy as np
 import torch
 
 from megatron_moe.config import load_config
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import load_profile
-from megatron_moe.sim.report import summarize
+from megatron_moe.sim.results import summarize
 from megatron_moe.sim.runner import Simulation
 
 MODEL = ["model.num_layers=4", "model.hidden_size=1024", "model.ffn_hidden_size=4096", "model.num_attention_heads=16",
@@ -45,6 +48,8 @@ def measure(balancer: str, gpus: int, iterations: int, profile) -> dict:
     return {"wall_s": round(seconds, 2), "wall_s_per_iteration": round(seconds / iterations, 4),
             "predicted_iteration_ms": round(s["iteration_ms"]["mean"], 2),
             "balance_ratio": [round(b, 3) for b in s["balance_ratio"]], "replicas": s["replicas"],
+            "mean_balance_ratio": round(float(np.mean([layer.balance_ratio for r in results for layer in r.layers])), 4),
+            "vexpert_move_bytes": float(sum(r.bytes_by_kind.get("vexpert_move", 0.0) for r in results)),
             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
@@ -64,7 +69,22 @@ def main(argv=None) -> int:
               f"({r['wall_s_per_iteration'] * 1e3:.0f} ms each); predicted {r['predicted_iteration_ms']:.1f} ms "
               f"per iteration; load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}", flush=True)
     target = {b: r["wall_s"] < TARGET_S for b, r in results.items()} if args.iterations == 100 else None
-    print(json.dumps({"config": vars(args), "model": MODEL, "results": results, "target_30s_met": target}))
+    print(json.dumps({"config": vars(args), "model": MODEL, "results": results, "target_30s_met": target,
+                      "flexmoe_vs_eplb": flexmoe_vs_eplb(results)}))
+
+
+def flexmoe_vs_eplb(results: dict):
+    """FlexMoE's case against re-planning from scratch (issue 30): its mean balance ratio within
+    10% of EPLB's while moving at most a third of EPLB's bytes; None unless both ran."""
+    if "flexmoe" not in results or "eplb" not in results:
+        return None
+    f, e = results["flexmoe"], results["eplb"]
+    ratio = f["mean_balance_ratio"] / e["mean_balance_ratio"]
+    moved = f["vexpert_move_bytes"] / e["vexpert_move_bytes"] if e["vexpert_move_bytes"] else None
+    return {"mean_balance_ratio": [f["mean_balance_ratio"], e["mean_balance_ratio"]], "ratio": round(ratio, 4),
+            "vexpert_move_bytes": [f["vexpert_move_bytes"], e["vexpert_move_bytes"]],
+            "bytes_fraction": None if moved is None else round(moved, 4),
+            "within_10_percent": ratio <= 1.1, "at_most_a_third_of_bytes": moved is not None and moved <= 1 / 3}
     return 0
 
 

@@ -3,14 +3,16 @@ on the same Mixtral-shaped model and weights, and the step's pure matmul time (i
 
     python benchmarks/train_throughput.py
     python benchmarks/train_throughput.py model.num_layers=2 training.micro_batch_size=4 --steps 6
+    python benchmarks/train_throughput.py --precision bf16
 
 The model is `configs/mixtral_tiny.yaml` with the issue's shape (4 layers, hidden 256, 4 heads,
 expert FFN 512, 8 experts top-2, vocab 1024, seq 256, micro-batch 8, dropless, fp32), changed by
 any dotted overrides given. Ours is built as training builds it (`GPTMoEModel`, `build_optimizer`:
-AdamW); HF's from `hf_config` with our initial weights copied in (`to_hf`, loaded by `from_pretrained`), AdamW (torch's
-default implementation) with the same hyper-parameters. Both get the same random tokens; the first
-step's losses are compared (`loss_diff`: the models compute the same function, so this is float
-rounding plus the aux loss, which only ours adds: both losses below are the language-model loss).
+AdamW); HF's from our initial weights written as a Mixtral directory (`convert/hf_common.write_hf`)
+and loaded by `from_pretrained`, AdamW (torch's default implementation) with the same
+hyper-parameters. Both get the same random tokens; the first step's losses are compared
+(`loss_diff`: the models compute the same function, so this is float rounding plus the aux loss,
+which only ours adds: both losses below are the language-model loss).
 
 A step is zero_grad, forward, backward (LM loss + ours: its aux loss), optimizer step. Steps
 alternate (ours, ours with `training.compile=true`, HF, ours, ...), --warmup of each first;
@@ -22,6 +24,19 @@ each, plus the two backward GEMMs of each) as plain `torch.mm` / `torch.bmm` cal
 each round of steps (median). Prints one JSON object, with `machine`: CPU model, cores, torch
 version and threads, CUDA device, and the load average at the start and the end (other jobs on
 the cores slow every side, not always alike). The ratios depend on the machine.
+
+--precision bf16 (issue #29, docs/precision.md): ours is `training.precision=bf16` (bf16 weights,
+fp32 main gradients and master weights: `MixedPrecisionAdamW`), compiled too; next to it, in the
+same rotation, ours in fp32 (`ours_fp32`), HF in fp32 (`hf`), HF under `torch.autocast` bf16
+with fp32 weights (`hf_autocast`) and HF loaded in bf16 with AdamW on the bf16 weights
+(`hf_bf16`), all from the same initial weights; the floor's GEMMs run in bf16 (`matmul_floor_ms`,
+measured as the fp32 one). Ratios: `ours_vs_floor` (step / floor), and the speedups (> 1: ours
+faster) `ours_vs_best_hf_bf16`, `ours_vs_hf` (HF fp32), `ours_vs_ours_fp32`.
+
+`peak_mb`: per side, the peak of the bytes held by tensors during one step (weights, gradients,
+optimizer state and activations; torch's profiler's allocation events on the CPU, the CUDA
+allocator's peak on a GPU), the one process being the one rank; `peak_vs_fp32` is ours over
+ours_fp32 (bf16). Activations dominate it at larger micro-batches (`training.micro_batch_size=32`).
 """
 import argparse
 import json
@@ -37,6 +52,7 @@ from megatron_moe.convert.hf_mixtral import MIXTRAL
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.model.precision import cast_params_, param_dtype
 from megatron_moe.perf import timing
 from megatron_moe.perf.machine import load_average, machine_info
 from megatron_moe.training.optimizer import build_optimizer
@@ -54,22 +70,26 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: ours in bf16 against HF's bf16 options and both in fp32 (module docstring)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the compiled side")
     return p.parse_args(argv)
 
 
 def build_ours(cfg):
     model = GPTMoEModel(cfg, ParallelState.single_process())
     init_model_from_seed_(model, cfg.training.seed, ParallelState.single_process())
+    cast_params_(model, cfg.training.precision)  # bf16: as the trainer does (model/precision.py)
     return model, build_optimizer(model, cfg.optimizer)
 
 
-def build_hf(cfg, ours):
+def build_hf(cfg, ours, dtype=torch.float32):
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:  # through HF's loader, which maps the checkpoint layout
-        weights = {n: p.detach() for n, p in ours.named_parameters()}
+        weights = {n: p.detach().float() for n, p in ours.named_parameters()}
         write_hf(tmp, MIXTRAL, cfg, weights, lambda i: weights)
-        hf = transformers.MixtralForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        hf = transformers.MixtralForCausalLM.from_pretrained(tmp, dtype=dtype)
     hf.train()
     o = cfg.optimizer
     decay = [p for n, p in hf.named_parameters() if p.dim() >= 2 and "norm" not in n]
@@ -91,15 +111,47 @@ def step_ours(model, optimizer, tokens, labels):
 def step_hf(model, optimizer, tokens, labels):
     optimizer.zero_grad(set_to_none=True)
     logits = model(input_ids=tokens).logits  # [b, s, V]
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     loss.backward()
     optimizer.step()
     return loss.item()
 
 
-def matmul_floor(cfg, rows_per_expert):
-    """One pass over the step's GEMMs alone (forward, and dX / dW of each in backward): a function
-    returning the seconds they took, to be timed in turn with the steps."""
+def step_hf_autocast(model, optimizer, tokens, labels):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+        logits = model(input_ids=tokens).logits
+    optimizer.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def peak_bytes(step, model, optimizer, tokens, labels) -> int:
+    """Peak bytes held by tensors during one `step`: what the model and optimizer hold before it
+    (parameters, optimizer state, main gradients), plus the peak of the step's allocations minus
+    frees (profiler memory events on the CPU; the CUDA allocator's peak on a GPU)."""
+    if tokens.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(tokens.device)
+        step(model, optimizer, tokens, labels)
+        return torch.cuda.max_memory_allocated(tokens.device)
+    optimizer.zero_grad(set_to_none=True)
+    main_grads = getattr(getattr(optimizer, "main_grads", None), "buffers", [])
+    held = [*model.parameters(), *main_grads,
+            *[v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, optimizer, tokens, labels)
+    running = peak = 0  # allocations are the ops' own (self) usage, frees "[memory]" events
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        running += e.self_cpu_memory_usage
+        peak = max(peak, running)
+    return sum(storages.values()) + peak
+
+
+def matmul_floor(cfg, rows_per_expert, dtype=torch.float32):
+    """One pass over the step's GEMMs alone (forward, and dX / dW of each in backward), in `dtype`:
+    a function returning the seconds they took, to be timed in turn with the steps."""
     m, b = cfg.model, cfg.training.micro_batch_size
     n, h, s, heads = b * m.seq_length, m.hidden_size, m.seq_length, m.num_attention_heads
     d, f, V = h // heads, cfg.moe.expert_ffn_hidden_size, m.vocab_size
@@ -113,12 +165,12 @@ def matmul_floor(cfg, rows_per_expert):
         for rows, k, cols in gemms:
             if rows == 0:
                 continue
-            x, w, dy = torch.randn(rows, k), torch.randn(k, cols), torch.randn(rows, cols)
+            x, w, dy = (torch.randn(shape, dtype=dtype) for shape in ((rows, k), (k, cols), (rows, cols)))
             with timing.wall(x.device) as took:
                 x @ w, dy @ w.t(), x.t() @ dy  # forward, dX, dW
             run.seconds += took.seconds
         for g, rows, k, cols in batched:
-            x, w, dy = torch.randn(g, rows, k), torch.randn(g, k, cols), torch.randn(g, rows, cols)
+            x, w, dy = (torch.randn(shape, dtype=dtype) for shape in ((g, rows, k), (g, k, cols), (g, rows, cols)))
             with timing.wall(x.device) as took:
                 torch.bmm(x, w), torch.bmm(dy, w.transpose(1, 2)), torch.bmm(x.transpose(1, 2), dy)
             run.seconds += took.seconds
@@ -135,26 +187,37 @@ def main(argv=None) -> int:
         import transformers  # noqa: F401
     except ImportError:
         raise SystemExit("benchmarks/train_throughput.py needs transformers (pip install transformers)")
-    cfg = load_config(args.config, SHAPE + list(args.overrides))
+    overrides = SHAPE + list(args.overrides) + [f"training.precision={args.precision}"]
+    cfg = load_config(args.config, overrides)
     torch.manual_seed(args.seed)
     ours, ours_opt = build_ours(cfg)
-    compiled, compiled_opt = build_ours(load_config(args.config, SHAPE + list(args.overrides) + ["training.compile=true"]))
     hf, hf_opt = build_hf(cfg, ours)
     count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
     if count(ours) != count(hf):
         raise SystemExit(f"parameter counts differ: ours {count(ours):,}, HF {count(hf):,}")
+    sides = {"ours": (ours, ours_opt, step_ours)}
+    if not args.no_compile:
+        sides["ours_compiled"] = (*build_ours(load_config(args.config, overrides + ["training.compile=true"])),
+                                  step_ours)
+    sides["hf"] = (hf, hf_opt, step_hf)
+    if args.precision == "bf16":  # the same initial weights in every side (ours: bf16-rounded, fp32 masters)
+        sides["ours_fp32"] = (*build_ours(load_config(args.config, overrides + ["training.precision=fp32"])),
+                              step_ours)
+        sides["hf_autocast"] = (*build_hf(cfg, ours), step_hf_autocast)
+        sides["hf_bf16"] = (*build_hf(cfg, ours, torch.bfloat16), step_hf)
     b, s = cfg.training.micro_batch_size, cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(args.seed))
     tokens, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    first = {"ours": step_ours(ours, ours_opt, tokens, labels), "hf": step_hf(hf, hf_opt, tokens, labels)}
-    with timing.wall(tokens.device) as compiling:
-        first["ours_compiled"] = step_ours(compiled, compiled_opt, tokens, labels)
-    compile_seconds = compiling.seconds
+    first, compile_seconds = {}, None
+    for side, (model, opt, step) in sides.items():
+        with timing.wall(tokens.device) as took:
+            first[side] = step(model, opt, tokens, labels)
+        if side == "ours_compiled":
+            compile_seconds = took.seconds
     rows_per_expert = [int(r) for r in sum(st.tokens_per_expert for st in
                                            (layer.ffn.last_stats for layer in ours.layers)) // cfg.model.num_layers]
-    sides = {"ours": (ours, ours_opt, step_ours), "ours_compiled": (compiled, compiled_opt, step_ours),
-             "hf": (hf, hf_opt, step_hf)}
-    floor_pass = matmul_floor(cfg, rows_per_expert)
+    peak = {side: peak_bytes(step, model, opt, tokens, labels) / 2 ** 20 for side, (model, opt, step) in sides.items()}
+    floor_pass = matmul_floor(cfg, rows_per_expert, param_dtype(args.precision))
     times = {side: [] for side in [*sides, "floor"]}
     for i in range(args.warmup + args.steps):
         for side, (model, opt, step) in sides.items():
@@ -168,19 +231,27 @@ def main(argv=None) -> int:
         print(f"step {i + 1}/{args.warmup + args.steps}", file=sys.stderr, flush=True)
     ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
     floor = ms.pop("floor")
+    ratios = {"ours_vs_hf": round(ms["hf"] / ms["ours"], 3)}
+    if "ours_compiled" in ms:
+        ratios.update({"ours_compiled_vs_hf": round(ms["hf"] / ms["ours_compiled"], 3),
+                       "compiled_vs_eager": round(ms["ours"] / ms["ours_compiled"], 3),
+                       "compiled_vs_floor": round(ms["ours_compiled"] / floor, 3),
+                       "compile_first_step_s": round(compile_seconds, 1)})
+    if args.precision == "bf16":
+        ratios.update({"ours_vs_best_hf_bf16": round(min(ms["hf_autocast"], ms["hf_bf16"]) / ms["ours"], 3),
+                       "ours_vs_ours_fp32": round(ms["ours_fp32"] / ms["ours"], 3),
+                       "peak_vs_fp32": round(peak["ours"] / peak["ours_fp32"], 3)})
     print(json.dumps({
-        "config": {"overrides": SHAPE + list(args.overrides), "steps": args.steps, "warmup": args.warmup,
+        "config": {"overrides": overrides, "steps": args.steps, "warmup": args.warmup,
                    "torch": torch.__version__, "transformers": transformers.__version__},
         "machine": dict(machine, load_average=[machine["load_average"], load_average()]),
         "parameters": {"ours": count(ours), "hf": count(hf)},
         "first_step_lm_loss": first, "loss_diff": abs(first["ours"] - first["hf"]),
-        "compiled_loss_diff": abs(first["ours"] - first["ours_compiled"]),
+        **({"compiled_loss_diff": abs(first["ours"] - first["ours_compiled"])} if "ours_compiled" in first else {}),
         "step_ms": {k: round(v, 1) for k, v in ms.items()},
         "tokens_per_sec": {k: round(b * s / v * 1e3, 1) for k, v in ms.items()},
-        "ours_vs_hf": round(ms["hf"] / ms["ours"], 3),
-        "ours_compiled_vs_hf": round(ms["hf"] / ms["ours_compiled"], 3),
-        "compiled_vs_eager": round(ms["ours"] / ms["ours_compiled"], 3),
-        "compile_first_step_s": round(compile_seconds, 1),
+        "peak_mb": {k: round(v, 1) for k, v in peak.items()},
+        **ratios,
         "matmul_floor_ms": round(floor, 1), "ours_vs_floor": round(ms["ours"] / floor, 3)}))
     return 0
 

@@ -1,4 +1,4 @@
-"""Injected op times for Lancet's `partition_range: auto` (moe/lancet_partition.py), so that the
+"""Injected op times for Lancet's `partition_range: auto` (techniques/lancet/lancet_partition.py), so that the
 dynamic program picks segments on any machine, however loaded (tests/unit/test_lancet.py,
 tests/e2e/test_vexperts.py through `sitecustomize`).
 
@@ -8,8 +8,8 @@ ranks); its times are then replaced by ones where overlap pays: every sublayer 1
 """
 from typing import List
 
-from megatron_moe.moe.lancet_partition import ForwardPartitioner
-from megatron_moe.perf.lancet_partition import Instruction, MoECost
+from megatron_moe.techniques.lancet.lancet_partition import ForwardPartitioner
+from megatron_moe.techniques.lancet.lancet_partition_model import Instruction, MoECost
 
 MEASURE = ForwardPartitioner.measure
 

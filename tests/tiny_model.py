@@ -24,13 +24,17 @@ class Step:
 
 def tiny_model_steps(overrides, bert: bool = False, steps: int = 1) -> List[Step]:
     """`steps` forward + backward steps of one model built from the seed, on the same tokens (a
-    second step checks that the dropout generators go on as in the plain run)."""
+    second step checks that the dropout generators go on as in the plain run). With
+    `training.precision=bf16` the parameters are bf16 and the gradients their fp32 main grads."""
     from megatron_moe.model.bert import BertMoEModel
     from megatron_moe.model.gpt import GPTMoEModel
+    from megatron_moe.model.precision import MainGrads, cast_params_, grad_of
 
     cfg = load_config("configs/bert_moe_tiny.yaml" if bert else "configs/gpt_moe_tiny.yaml", BASE + list(overrides))
     validate_config(cfg, 1)
     model = (BertMoEModel if bert else GPTMoEModel)(cfg, ParallelState.single_process())
+    cast_params_(model, cfg.training.precision)
+    main_grads = MainGrads(model.parameters()) if cfg.training.precision != "fp32" else None
     tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(0))
     pad = torch.ones(4, 12)
     pad[1, 8:] = 0
@@ -38,6 +42,8 @@ def tiny_model_steps(overrides, bert: bool = False, steps: int = 1) -> List[Step
     results = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
+        if main_grads is not None:
+            main_grads.zero_()
         saved = [0]
 
         def pack(t):  # activations only: a saved parameter costs no memory of its own
@@ -54,7 +60,7 @@ def tiny_model_steps(overrides, bert: bool = False, steps: int = 1) -> List[Step
                 loss = out.lm_loss + out.aux_loss
         loss.backward()
         results.append(Step(float(out.lm_loss.detach()), float(out.aux_loss.detach()),
-                            {n: p.grad.clone() for n, p in model.named_parameters()},
+                            {n: grad_of(p).clone() for n, p in model.named_parameters()},
                             [s.dropped for s in out.moe_stats], [s.tokens_per_expert for s in out.moe_stats],
                             saved[0]))
     return results

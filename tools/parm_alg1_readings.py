@@ -2,10 +2,10 @@
 
     python tools/parm_alg1_readings.py [--json] [PROFILE.yaml ...]
 
-Notation as in `perf/parm_model.py`: y = E T M N_ESP (Alg. 1 line 3, E T = k f B L), x = y / N_MP.
+Notation as in `techniques/parm/parm_model.py`: y = E T M N_ESP (Alg. 1 line 3, E T = k f B L), x = y / N_MP.
 t_D1 is the same in every reading: 2 A2A(x) + AG_MP(B L M) (Eq. 11, Alg. 1 line 4). For S2 with SAA:
 
-* R1 (the code, `perf/parm_model.py`): t_D2 = A2A(x) + Overlap(x); the MP-AllGather of the E T M
+* R1 (the code, `techniques/parm/parm_model.py`): t_D2 = A2A(x) + Overlap(x); the MP-AllGather of the E T M
   combined rows is inside the measured Overlap (Eq. 7).
 * R2 (Alg. 1 line 5 as printed): t_D2 = A2A(y / N_MP) + alpha_o + beta_o * y; the overlap term is
   charged for y, N_MP times the all-to-all's own input.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, Sequence
 
 from megatron_moe.perf.hardware import HardwareProfile, load_profile
-from megatron_moe.perf.parm_model import capacity_assignments, schedule_times
+from megatron_moe.techniques.parm.parm_model import capacity_assignments, schedule_times
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTBEDS = (ROOT / "configs/hardware/parm_testbed_a.yaml", ROOT / "configs/hardware/parm_testbed_b.yaml")

@@ -27,7 +27,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.perf.calibrate import (ExpertShape, fit_description, fit_links, fit_profile, geometric_sizes,
                                          measure_links, measure_points)
 from megatron_moe.perf.hardware import OPS, save_profile
-from megatron_moe.perf.timing import init_state
+from megatron_moe.perf.rank_timing import init_state
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Check Pro-Prophet's performance model (Eq. 1-5, `perf/proprophet_model.py`) against measurement:
+"""Check Pro-Prophet's performance model (Eq. 1-5, `techniques/proprophet/proprophet_model.py`) against measurement:
 predicted vs measured time of the all-to-all, expert compute, Trans and Agg of lightweight
 placements on these ranks.
 
@@ -36,14 +36,14 @@ import torch.nn.functional as F
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.param_meta import init_model_from_seed_
-from megatron_moe.moe.balancers.proprophet import Loads, devices_for, greedy_search, lightweight_placement
+from megatron_moe.techniques.proprophet.proprophet import Loads, devices_for, greedy_search, lightweight_placement
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.grouped_gemm import grouped_mm
 from megatron_moe.moe.replicas import start_trans
 from megatron_moe.perf.calibrate import ExpertShape, fit_description, fit_profile, measure_points
 from megatron_moe.perf.hardware import load_profile
-from megatron_moe.perf.proprophet_model import PROPROPHET_OPS, ProphetCostModel
-from megatron_moe.perf.timing import init_state, slowest_rank_seconds
+from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
+from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
 from megatron_moe.sim.traces import zipf_rows
 
 OPS = ("a2a", "fec", "trans", "agg")

@@ -48,7 +48,7 @@ configs in configs/papers/, one expert per GPU, top-2 dropless, skewed drifting 
 experts taking more than half the tokens); speedup = FastMoE's MoE-layer time (every layer,
 forward + backward) over the option's, per iteration; the paper gives "up to" figures, so the
 ratio column compares with our maximum. What differs and why: our shadowing decision is
-FasterMoE's Alg. 1 on Eq. 7-8 (`moe.fastermoe.token_term` true, as FastMoE's released policy),
+FasterMoE's Alg. 1 on Eq. 7-8 (`moe.fastermoe.eq8: printed`, the paper's Eq. 8),
 fed the derived profiles; with the strong skew of our trace it shadows the most popular experts
 every iteration and the all-to-all of the hot expert's tokens dominates FastMoE's time, so our
 gains are larger than the paper's, most on trevor whose 4 GPUs share one 100 Gb/s NIC. The smart

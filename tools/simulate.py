@@ -16,7 +16,7 @@ critical rank, per MoE layer time, balance ratio and replicas, and with pipeline
 predicted bubble next to the ideal (p - 1) / (v m + p - 1). Writes <out>/summary.json (and
 per-iteration details in <out>/<option>.json) and PNG plots; prints one JSON object on its last
 line. --recommend ranks the --option combinations (default: every one of
-`megatron_moe.sim.report.candidate_options()`) and prints the overrides of the fastest.
+`megatron_moe.sim.results.candidate_options()`) and prints the overrides of the fastest.
 docs/simulator.md has the model and every knob.
 """
 import argparse
@@ -30,7 +30,7 @@ import torch
 from megatron_moe.config import ConfigError
 from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import load_profile
-from megatron_moe.sim.report import candidate_options, plot, summarize, write_json
+from megatron_moe.sim.results import candidate_options, plot, summarize, write_json
 from megatron_moe.sim.runner import simulate
 
 

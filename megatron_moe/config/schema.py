@@ -3,7 +3,7 @@
 Every knob a user can set lives here with its default and a one-line comment; `docs/configs.md`
 documents them. YAML files and `section.key=value` overrides are merged onto these dataclasses by
 `config/load.py` (OmegaConf structured configs), which rejects unknown keys and wrong types;
-`config/validate.py` checks the combinations.
+`config/validate.py` checks the combinations (each section's rules next to its code, §0.2 of docs/design.md).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class ModelConfig:
 @dataclass
 class FasterMoEConfig:
     min_shadow: int = 0  # shadow at least the k most popular experts every forward, whatever Eq. 7-8 say
-    token_term: bool = True  # Eq. 8 keeps Eq. 7's token traffic (FastMoE's release); false = the paper as printed
+    eq8: str = "printed"  # Eq. 8: printed (the paper) | token_term (Eq. 7's token term kept) | fastmoe (FastMoE's release)
 
 
 @dataclass
@@ -48,13 +48,17 @@ class ProProphetConfig:
     bottom_k: int = 0  # Alg. 1's n: devices with the fewest rows of a selected expert that do not get it
     overlap: bool = False  # block-wise scheduler (Alg. 2): Plan during the all-to-all, Trans one block early, Eq. 8
     min_replicas: int = 0  # place at least k experts on several devices every forward, whatever Eq. 6 says (tests)
+    rows: str = "balanced"  # a replica's rows: balanced (water-filled over its devices) | local (each its own sources', §4.2)
 
 
 @dataclass
 class FlexMoEConfig:
     slots_per_rank: Optional[int] = None  # vExpert slots per EP rank (>= E/ep); null = E/ep + 1
-    interval: int = 10  # run the scheduler (Alg. 1) every N iterations, on their mean loads
+    interval: int = 10  # trigger=interval: run Alg. 1 every N iterations; trigger=threshold: longest load window
     threshold: float = 1.1  # Alg. 1: Expand / Shrink while the balance ratio (Eq. 6) exceeds this
+    trigger: str = "threshold"  # threshold: check Eq. 6 every iteration, plan when it exceeds threshold | interval
+    policy: str = "straggler"  # Alg. 2's candidates: straggler (relative to the slowest GPU, general Migrate) | printed
+    amortize_steps: Optional[int] = None  # iterations a move's transfer cost is spread over; null = 100 (threshold) / interval
 
 
 @dataclass
@@ -62,6 +66,7 @@ class EPLBConfig:
     redundant_slots: Optional[int] = None  # slots beyond E over the EP group ((E + this) % ep == 0); null = ep (0 on one rank)
     interval: int = 10  # re-plan every N iterations
     ema: float = 0.5  # weight of the newest window's loads in the moving average (1 = newest only)
+    hierarchical: str = "auto"  # pack experts onto nodes first: auto (only with group-limited routing) | true | false
 
 
 @dataclass
@@ -141,7 +146,7 @@ class TrainingConfig:
     eval_interval: int = 50  # 0 = never
     eval_iters: int = 4
     run_dir: str = "runs/default"
-    precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights, fp32 router softmax)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 main grads + master weights; docs/precision.md)
     on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
     recompute: str = "none"  # activation recomputation: none | selective (core attention) | full (every layer)
     compile: bool = False  # torch.compile (TorchInductor) each layer's dense compute (model/compile.py)

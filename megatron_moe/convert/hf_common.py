@@ -1,8 +1,9 @@
 """Our GPT-MoE <-> Hugging Face MoE checkpoints (`config.json` + safetensors shards with an index).
 
 One mapping for the four families (`hf_mixtral.py`: MixtralForCausalLM; `hf_qwen_moe.py`:
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; `hf_olmoe.py`: OlmoeForCausalLM); a `Family` names its
-module prefixes, config keys and the options it has. Tensors are mapped on full (global) weights,
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; `hf_olmoe.py`: OlmoeForCausalLM; looked up by
+`config.json`'s `model_type` in `hf_families.py`); a `Family` names its module prefixes, config
+keys and the options it has. Tensors are mapped on full (global) weights,
 one layer at a time, in each family's original per-expert naming (the layout of the released
 checkpoints; transformers loads it directly):
 
@@ -39,7 +40,6 @@ import torch
 from megatron_moe.config.schema import Config
 
 Tensors = Dict[str, torch.Tensor]
-FAMILIES: Dict[str, "Family"] = {}  # by config.json's model_type
 INDEX = "model.safetensors.index.json"
 
 
@@ -53,19 +53,6 @@ class Family:
     hf_config: Callable[[Config], dict]
     overrides: Callable[[dict], List[str]]  # config.json -> our dotted overrides
     extra: dict = field(default_factory=dict)
-
-
-def register(family: Family) -> Family:
-    FAMILIES[family.model_type] = family
-    return family
-
-
-def family_of(model_type) -> Family:
-    from megatron_moe.convert import hf_mixtral, hf_olmoe, hf_qwen_moe  # noqa: F401  (register the families)
-
-    if model_type not in FAMILIES:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[model_type]
 
 
 def check_shape(family: Family, cfg: Config) -> None:
@@ -265,30 +252,32 @@ def outer_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor]) -> Tensors:
 
 # -- files ---------------------------------------------------------------------------------------
 def write_hf(path: str, family: Family, cfg: Config, outer: Tensors, layer: Callable[[int], Tensors],
-             max_shard_bytes: int = 5 << 30) -> None:
+             max_shard_bytes: int = 5 << 30, dtype: torch.dtype = torch.float32) -> None:
     """HF directory `path` from our full weights: `outer` (embedding, final norm, output layer) and
-    `layer(i)` (at least layer i's), fetched one layer at a time."""
+    `layer(i)` (at least layer i's), fetched one layer at a time; tensors stored in `dtype`
+    (`config.json`'s `torch_dtype`)."""
     check_shape(family, cfg)
-    writer = ShardWriter(path, max_shard_bytes)
+    writer = ShardWriter(path, max_shard_bytes, dtype)
     for i in range(cfg.model.num_layers):
         for name, tensor in layer_to_hf(family, cfg, layer(i), i):
             writer.add(name, tensor)
     for name, tensor in outer_to_hf(cfg, outer):
         writer.add(name, tensor)
-    writer.close(family.hf_config(cfg))
+    writer.close(dict(family.hf_config(cfg), torch_dtype=str(dtype).split(".")[-1]))
 
 
 class ShardWriter:
-    """Tensors appended one by one into `model-0000k-of-0000n.safetensors` shards of at most
-    `max_shard_bytes` each (a bigger tensor gets a shard of its own) + the index."""
+    """Tensors appended one by one, cast to `dtype`, into `model-0000k-of-0000n.safetensors` shards
+    of at most `max_shard_bytes` each (a bigger tensor gets a shard of its own) + the index."""
 
-    def __init__(self, path: str, max_shard_bytes: int):
-        self.path, self.max_bytes = path, max_shard_bytes
+    def __init__(self, path: str, max_shard_bytes: int, dtype: torch.dtype = torch.float32):
+        self.path, self.max_bytes, self.dtype = path, max_shard_bytes, dtype
         self.pending: Tensors = {}
         self.pending_bytes, self.files, self.weight_map, self.total = 0, [], {}, 0
         os.makedirs(path, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.to(self.dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self._flush()

@@ -6,8 +6,7 @@ top-k -> renormalize routing, dropless. The tensor mapping is `hf_common.py`'s.
 from __future__ import annotations
 
 from megatron_moe.config.schema import Config
-from megatron_moe.convert.hf_common import (Family, base_hf_config, base_overrides, norm_topk, num_experts,
-                                             register)
+from megatron_moe.convert.hf_common import Family, base_hf_config, base_overrides, norm_topk, num_experts
 
 
 def _check(cfg: Config):
@@ -35,5 +34,5 @@ def _overrides(hf: dict) -> list:
         f"moe.expert_ffn_hidden_size={hf['intermediate_size']}", "moe.layer_freq=1", "moe.norm_topk_prob=true"]
 
 
-MIXTRAL = register(Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"),
-                          _check, _hf_config, _overrides))
+MIXTRAL = Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"),
+                 _check, _hf_config, _overrides)

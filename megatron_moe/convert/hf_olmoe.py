@@ -7,8 +7,7 @@ refused unless null.
 from __future__ import annotations
 
 from megatron_moe.config.schema import Config
-from megatron_moe.convert.hf_common import (Family, base_hf_config, base_overrides, norm_topk, num_experts,
-                                             register)
+from megatron_moe.convert.hf_common import Family, base_hf_config, base_overrides, norm_topk, num_experts
 
 
 def _check(cfg: Config):
@@ -38,5 +37,5 @@ def _overrides(hf: dict) -> list:
         f"moe.norm_topk_prob={str(bool(hf.get('norm_topk_prob', False))).lower()}"]
 
 
-OLMOE = register(Family("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                        _check, _hf_config, _overrides))
+OLMOE = Family("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+               _check, _hf_config, _overrides)

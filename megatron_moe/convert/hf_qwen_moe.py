@@ -13,8 +13,7 @@ SwiGLU MLP of `intermediate_size`), experts of `moe_intermediate_size`.
 from __future__ import annotations
 
 from megatron_moe.config.schema import Config
-from megatron_moe.convert.hf_common import (Family, base_hf_config, base_overrides, norm_topk, num_experts,
-                                             register)
+from megatron_moe.convert.hf_common import Family, base_hf_config, base_overrides, norm_topk, num_experts
 
 
 def _common_hf(family: Family, cfg: Config) -> dict:
@@ -72,7 +71,7 @@ def _qwen3_overrides(hf: dict) -> list:
     return _common_overrides(hf) + ["model.qk_norm=head"]
 
 
-QWEN2_MOE = register(Family("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                            _qwen2_check, _qwen2_hf, _qwen2_overrides))
-QWEN3_MOE = register(Family("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                            _qwen3_check, _qwen3_hf, _qwen3_overrides))
+QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                   _qwen2_check, _qwen2_hf, _qwen2_overrides)
+QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                   _qwen3_check, _qwen3_hf, _qwen3_overrides)

@@ -200,32 +200,42 @@ def guess_family(cfg: Config) -> str:
     return "qwen2_moe" if cfg.moe.shared_expert_ffn_hidden_size else "mixtral"
 
 
-def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_bytes: int = 5 << 30) -> None:
+def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_bytes: int = 5 << 30,
+              precision: Optional[str] = None) -> None:
     """Checkpoint (any layout) -> HF directory of `family` (default: `guess_family`), streamed one
-    layer's global tensors at a time into safetensors shards + index (convert/hf_common.py)."""
+    layer's global tensors at a time into safetensors shards + index (convert/hf_common.py), with
+    weights in `precision` (fp32 | bf16; default: the run's `training.precision`). Checkpoints hold
+    fp32 weights (a bf16 run's masters), so either dtype is exported from the fp32 values, rounded
+    once for bf16."""
     from megatron_moe.convert import hf_common as H
+    from megatron_moe.convert.hf_families import family_of
+    from megatron_moe.model.precision import PARAM_DTYPES
 
     path = resolve_checkpoint(path)
     cfg = checkpoint_config(path, SINGLE)
-    fam = H.family_of(family or guess_family(cfg))
+    fam = family_of(family or guess_family(cfg))
     H.check_shape(fam, cfg)
+    precision = precision or cfg.training.precision
+    if precision not in PARAM_DTYPES:
+        raise ValueError(f"export-hf --precision {precision}: expected one of {sorted(PARAM_DTYPES)}")
     keys = [k for k in read_metadata(path).state_dict_metadata if k.startswith("model/")]
 
     def load(keep) -> Dict[str, torch.Tensor]:
         return {k[len("model/"):]: v for k, v in load_full(path, [k for k in keys if keep(k)]).items()}
 
     H.write_hf(out_dir, fam, cfg, load(lambda k: not k.startswith("model/layers.")),
-               lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes)
+               lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes, PARAM_DTYPES[precision])
 
 
 def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = ()) -> str:
     """HF directory (family from its config.json) -> our checkpoint; training settings from
     `base_config` (+ overrides)."""
     from megatron_moe.convert import hf_common as H
+    from megatron_moe.convert.hf_families import family_of
     from megatron_moe.model.transformer import is_moe_layer
 
     reader = H.HFReader(hf_dir)
-    fam = H.family_of(reader.config.get("model_type"))
+    fam = family_of(reader.config.get("model_type"))
     cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides))
     H.check_shape(fam, cfg)
     weights = H.outer_from_hf(cfg, reader.get)

@@ -11,9 +11,10 @@ from typing import List, Tuple
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
-from megatron_moe.config.validate import tokenizer_spec, validate_data_config
-from megatron_moe.data.blend import data_path_items
-from megatron_moe.data.tokenizers import TokenizerSpec
+from megatron_moe.data.blend import data_path_items, parse_blend
+from megatron_moe.data.gpt_dataset import parse_split
+from megatron_moe.data.indexed import IndexedDataset
+from megatron_moe.data.tokenizers import TOKENIZERS, TokenizerSpec
 
 
 def data_source(cfg: Config, sentences: bool = False) -> Tuple[List, TokenizerSpec]:
@@ -55,3 +56,42 @@ def build_gpt_datasets_from_config(cfg: Config):
         raise ConfigError(str(exc).splitlines()[0]) from None
     check_splits(cfg, train, valid)
     return train, valid
+
+
+def validate_data_config(cfg: Config) -> int:
+    """Data rules (they read the tokenizer files and the `.idx` headers, so they run in the entry
+    points, not in `validate_config`). Returns the tokenizer's vocabulary size."""
+    d = cfg.data
+    try:
+        parse_split(d.split)
+        if not 0.0 < d.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob={d.mask_prob} must be in (0, 1)")
+        if d.path is None:
+            if d.tokenizer.type is not None:
+                raise ConfigError("data.tokenizer.type is set but data.path is null: the embedded corpus "
+                                  "brings its own tokenizer (set data.path to use yours)")
+            if d.embedded_vocab_size < 512:
+                raise ConfigError(f"data.embedded_vocab_size={d.embedded_vocab_size} must be >= 512")
+            vocab_size, source = d.embedded_vocab_size, "data.embedded_vocab_size"
+        else:
+            for prefix in parse_blend(d.path)[0]:
+                IndexedDataset(prefix)  # O(1): both files exist, header and sizes agree
+            if d.tokenizer.type is None:
+                raise ConfigError("data.path needs data.tokenizer.type (and its files) to know the vocabulary")
+            vocab_size = tokenizer_spec(cfg).build().vocab_size
+            source = f"data.tokenizer.type={d.tokenizer.type}"
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    if cfg.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab_size} tokens ({source})")
+    return vocab_size
+
+
+def tokenizer_spec(cfg: Config):
+    """`data.tokenizer.*` as a `TokenizerSpec` (the registry checks the type)."""
+    t = cfg.data.tokenizer
+    TOKENIZERS.get(t.type)
+    return TokenizerSpec(t.type, t.vocab_file, t.merge_file, t.model)

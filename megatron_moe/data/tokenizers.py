@@ -15,9 +15,16 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_moe.registry import Registry
+from megatron_moe.config.validate import section_check
+from megatron_moe.config.registry import Registry
 
 TOKENIZERS: Registry = Registry("data.tokenizer.type")
+
+
+@section_check("data.tokenizer.type")
+def _check_tokenizer(cfg, world_size: int) -> None:
+    if cfg.data.tokenizer.type is not None:
+        TOKENIZERS.get(cfg.data.tokenizer.type)
 
 # role -> token strings looked up in the base vocabulary, in order; the first one is appended if none exists
 DEFAULT_SPECIALS = {

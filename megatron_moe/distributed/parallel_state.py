@@ -35,6 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from megatron_moe.distributed import collectives
+from megatron_moe.distributed.group import Group
+
 GROUP_NAMES = ("tp", "dp", "pp", "ep", "esp", "ep_esp", "edp", "embedding", "world")
 
 
@@ -108,30 +111,6 @@ class RankLayout:
 
 
 @dataclass
-class Group:
-    """One process group as this rank sees it. `handle` is the torch ProcessGroup (None if the
-    process group machinery is not initialized, e.g. single process)."""
-
-    name: str
-    ranks: List[int]
-    rank: int  # index of this process within `ranks`
-    handle: Optional[Any] = None
-    ranks_per_node: Optional[int] = None  # RankLayout's: which members share this rank's node
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def global_rank(self, index: int) -> int:
-        return self.ranks[index]
-
-    def off_node(self, index: int) -> bool:
-        """Is member `index` on another node than this rank (its traffic crosses the network)?"""
-        per_node = self.ranks_per_node or max(self.ranks) + 1
-        return self.ranks[index] // per_node != self.ranks[self.rank] // per_node
-
-
-@dataclass
 class ParallelState:
     layout: RankLayout
     rank: int
@@ -142,8 +121,6 @@ class ParallelState:
     def build(cls, layout: RankLayout, rank: int) -> "ParallelState":
         """Create every group of every kind (all ranks call new_group in the same order, as
         torch.distributed requires) and keep the ones this rank belongs to."""
-        from megatron_moe.distributed import collectives
-
         state = cls(layout=layout, rank=rank)
         distributed = collectives.is_initialized()
         for name in GROUP_NAMES:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.errors import ConfigError
-from megatron_moe.config.schema import ModelConfig
+from megatron_moe.config.schema import Config, ModelConfig
+from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm, maybe
 from megatron_moe.model.recompute import recomputed
@@ -40,8 +41,10 @@ def query_groups(cfg: ModelConfig) -> int:
     return cfg.num_query_groups or cfg.num_attention_heads
 
 
-def check_attention_config(cfg: ModelConfig, tensor: int) -> None:
-    """Megatron's divisibility rules for heads, query groups and the tensor degree."""
+@section_check("model.attention")
+def check_attention_config(config: Config, world_size: int) -> None:
+    """Megatron's divisibility rules for heads, query groups and the tensor degree; `model.qk_norm`."""
+    cfg, tensor = config.model, config.parallel.tensor
     heads, groups = cfg.num_attention_heads, query_groups(cfg)
     if cfg.num_query_groups is not None and cfg.num_query_groups < 1:
         raise ConfigError(f"model.num_query_groups={cfg.num_query_groups} must be >= 1 (or null for MHA)")

@@ -1,7 +1,11 @@
 """LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), parameters replicated across TP.
 
-Both normalize in fp32 (also under bf16 autocast) and return the input's dtype. Input and output
-`[..., hidden]`. Kernels: PyTorch's fused `layer_norm` / `rms_norm`; on CUDA, NVIDIA apex's fused
+Both compute their statistics in fp32 and return the input's dtype. Input and output
+`[..., hidden]`. bf16 parameters and input (`training.precision=bf16`, docs/precision.md):
+`_Bf16Norm` normalizes in fp32 and keeps for backward only the bf16 input and the fp32 statistics
+(mean, 1/std per row), as Megatron's fused norms do; torch's own kernels on bf16 would keep fp32
+copies of the input (rms_norm's composite) or bf16 statistics (layer_norm). Otherwise (fp32, or
+under a user's autocast) torch's kernels on fp32 copies of input and weights. Kernels: PyTorch's fused `layer_norm` / `rms_norm`; on CUDA, NVIDIA apex's fused
 kernels instead when the real apex is installed (`apex_fused_norms`: its compiled
 `fused_layer_norm_cuda` extension must import; the unrelated PyPI package named `apex` has none
 and is never used).
@@ -35,6 +39,44 @@ def _apex(x: torch.Tensor) -> Optional[Tuple[Callable, Callable]]:
     return apex_fused_norms() if x.is_cuda else None
 
 
+def _bf16(x: torch.Tensor, weight: torch.Tensor, apex) -> bool:
+    """bf16 input and weight, no apex: `_Bf16Norm` (module docstring)."""
+    return apex is None and x.dtype == weight.dtype == torch.bfloat16
+
+
+class _Bf16Norm(torch.autograd.Function):
+    """LayerNorm (`rms=False`) or RMSNorm of bf16 x [..., h] in fp32; saves x (bf16) and the fp32
+    statistics [..., 1]; returns bf16. Backward: the textbook gradients, in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, rms: bool):
+        x32 = x.float()
+        mean = None if rms else x32.mean(-1, keepdim=True)
+        centred = x32 if rms else x32 - mean
+        rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+        y = centred * rstd * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x, weight, rstd, *(() if rms else (mean,)))
+        ctx.has_bias, ctx.rms = bias is not None, rms
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd, *mean = ctx.saved_tensors
+        x32 = x.float()
+        xhat = (x32 if ctx.rms else x32 - mean[0]) * rstd  # [..., h]
+        dy32 = dy.float()
+        rows = dy32.reshape(-1, dy32.shape[-1])
+        dweight = (rows * xhat.reshape(rows.shape)).sum(0).to(weight.dtype)
+        dbias = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
+        g = dy32 * weight.float()
+        dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+        if not ctx.rms:
+            dx = dx - g.mean(-1, keepdim=True)
+        return (dx * rstd).to(x.dtype), dweight, dbias, None, None
+
+
 class LayerNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, state: ParallelState, *, eps: float = 1e-5, bias: bool = True):
         super().__init__()
@@ -43,8 +85,10 @@ class LayerNorm(torch.nn.Module):
         self.bias = make_param(ParamMeta("dense", (hidden_size,), init="zeros", role="norm"), state) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
         apex = _apex(x)
+        if _bf16(x, self.weight, apex):
+            return _Bf16Norm.apply(x, self.weight, self.bias, self.eps, False)
+        bias = None if self.bias is None else self.bias.float()
         if apex is not None and bias is not None:
             y = apex[0](x.float(), self.weight.float(), bias, x.shape[-1:], self.eps)
         else:
@@ -61,12 +105,19 @@ class RMSNorm(torch.nn.Module):
         self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones", role="norm"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        apex = _apex(x)
-        if apex is not None:
-            y = apex[1](x.float(), self.weight.float(), x.shape[-1:], self.eps)
-        else:
-            y = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
-        return y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., d] with weight [d] by the module docstring's kernels (also QK-norm's, model/qk_norm.py)."""
+    apex = _apex(x)
+    if _bf16(x, weight, apex):
+        return _Bf16Norm.apply(x, weight, None, eps, True)
+    if apex is not None:
+        y = apex[1](x.float(), weight.float(), x.shape[-1:], eps)
+    else:
+        y = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
+    return y.to(x.dtype)
 
 
 def build_norm(cfg: ModelConfig, state: ParallelState) -> torch.nn.Module:

@@ -21,11 +21,13 @@ Sharding is a list of (dim, group name): e.g. a column-parallel weight [out, in]
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_moe.config.schema import ModelConfig
 from megatron_moe.distributed.parallel_state import ParallelState
 
 
@@ -68,6 +70,12 @@ class ParamMeta:
 
     def local_slices(self, state: ParallelState) -> Tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offsets(state), self.local_shape(state)))
+
+
+def residual_output_std(cfg: ModelConfig) -> float:
+    """Init std of projections that write into the residual stream: GPT-2 §2.3 scales them by
+    1/sqrt(number of residual layers) = 1/sqrt(2 * num_layers) (Megatron's scaled_init_method)."""
+    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
 
 
 def make_param(meta: ParamMeta, state: ParallelState) -> torch.nn.Parameter:

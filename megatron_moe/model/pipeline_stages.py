@@ -32,8 +32,17 @@ from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
-from megatron_moe.perf.calibrate import resolve_hardware_profile
+from megatron_moe.config.registry import Hooks
 from megatron_moe.tensor_parallel import DropoutRNG
+
+# What the floors above add to a stage's model, registered next to their code:
+#   "perf.hardware_profile"   (cfg, state, device) -> cfg with a profile when a technique needs one
+#                             (perf/calibrate.py, collective)
+#   "moe.lancet.defer_wgrad"  (model, cfg) -> None: attach the dW scheduler (techniques/lancet/lancet.py)
+#   "moe.lancet.partitions"   (cfg, state, rng, layers) -> the chunk's partitioner or None
+#                             (techniques/lancet/lancet_partition.py)
+STAGE_HOOKS: Hooks = Hooks("staged model hook", ("perf.hardware_profile", "moe.lancet.defer_wgrad",
+                                                 "moe.lancet.partitions"))
 
 
 def chunk_layer_counts(cfg: Config) -> List[int]:
@@ -121,7 +130,7 @@ class StagedModel(torch.nn.Module):
         # a technique that needs a hardware profile (moe.schedule=auto, the balancers' cost models,
         # Lancet's dW budget) and has none: calibrate on these ranks as the trainer does (collective;
         # a no-op when the trainer already did, or when the config names one)
-        cfg = resolve_hardware_profile(cfg, state, default_device(cfg.parallel.backend), run_dir_copy=False)
+        cfg = STAGE_HOOKS.get("perf.hardware_profile")(cfg, state, default_device(cfg.parallel.backend))
         m = cfg.model
         self.cfg, self.state = cfg, state
         self.stage = StageChunks.of(cfg, state.pp.rank)
@@ -139,18 +148,17 @@ class StagedModel(torch.nn.Module):
 
     def finish_init(self) -> None:
         """Initialize every parameter from the seed; Lancet, compile and partitioners per chunk."""
-        from megatron_moe.moe import lancet, lancet_partition  # lazy: the MoE package builds on the model package
-
         cfg = self.cfg
         init_model_from_seed_(self, cfg.training.seed, self.state)
         if self.tied_head and self.state.pp.size > 1 and self.embedding is not None:
             word = self.embedding.word.weight
             word.tied_across_stages = True  # gradient summed over the `embedding` group
             word.pipeline_duplicate = not self.stage.has_embedding  # the grad norm counts the first stage's
-        lancet.attach_from_config(self, cfg)  # moe.lancet.defer_wgrad
+        STAGE_HOOKS.get("moe.lancet.defer_wgrad")(self, cfg)
         if cfg.training.compile:
             compile_layers(self.layers)
-        self.partitioners = [lancet_partition.from_config(cfg, self.state, self.dropout_rng, self.layers.chunk(c))
+        partitioner = STAGE_HOOKS.get("moe.lancet.partitions")
+        self.partitioners = [partitioner(cfg, self.state, self.dropout_rng, self.layers.chunk(c))
                              for c in range(self.stage.virtual)]  # moe.lancet.partitions
 
     def moe_layers(self) -> List[torch.nn.Module]:

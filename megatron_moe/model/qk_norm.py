@@ -9,20 +9,20 @@
   the TP group (`all_reduce_autograd`: its backward sums the gradient too) and the weights are
   TP-sharded like the heads.
 
-Both normalize in fp32 with `model.norm_eps` and return the input's dtype (as HF's RMSNorm).
+Both normalize in fp32 with `model.norm_eps` and return the input's dtype (as HF's RMSNorm);
+`head` through model/norm.py's kernels (bf16: only the bf16 input and fp32 statistics kept).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import ModelConfig
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.norm import RMSNorm
+from megatron_moe.model.norm import RMSNorm, rms_norm
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.tensor_parallel.mappings import copy_to_tp_region
 
@@ -53,8 +53,7 @@ class HeadRMSNorm(RMSNorm):
         self.group = state.tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp_region(self.weight, self.group).float()
-        return F.rms_norm(x.float(), x.shape[-1:], weight, self.eps).to(x.dtype)
+        return rms_norm(x, copy_to_tp_region(self.weight, self.group), self.eps)
 
 
 def build_qk_norms(cfg: ModelConfig, state: ParallelState, heads: int, groups: int, head_dim: int):

@@ -8,29 +8,28 @@ parallelism); residual dropout therefore uses the TP-replicated generator.
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_moe.config.schema import Config, ModelConfig
+from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.attention import SelfAttention
 from megatron_moe.model.mlp import MLP
 from megatron_moe.model.norm import build_norm
+from megatron_moe.model.param_meta import residual_output_std
 from megatron_moe.model.recompute import recomputed
+from megatron_moe.config.registry import Registry
 from megatron_moe.tensor_parallel import Dropout, DropoutRNG
+
+# The MoE FFN: "moe" = moe/layer.py's MoELayer(cfg, state, layer_index), registered there, so that
+# the model floor builds on no MoE code (docs/design.md, the floors).
+FFN_LAYERS: Registry = Registry("moe.layer_freq")
 
 
 def is_moe_layer(layer_index: int, layer_freq: int) -> bool:
     """Every `layer_freq`-th layer (1-based) has an MoE FFN: freq 1 = all, 2 = layers 1, 3, 5, ..."""
     return (layer_index + 1) % layer_freq == 0
-
-
-def residual_output_std(cfg: ModelConfig) -> float:
-    """Init std of projections that write into the residual stream: GPT-2 §2.3 scales them by
-    1/sqrt(number of residual layers) = 1/sqrt(2 * num_layers) (Megatron's scaled_init_method)."""
-    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
 
 
 class TransformerLayer(torch.nn.Module):
@@ -46,9 +45,8 @@ class TransformerLayer(torch.nn.Module):
         self.ffn_norm = build_norm(m, state)
         self.is_moe = is_moe_layer(layer_index, cfg.moe.layer_freq)
         if self.is_moe:
-            from megatron_moe.moe.layer import MoELayer  # lazy: the MoE package builds on the model package
 
-            self.ffn = MoELayer(cfg, state, layer_index)
+            self.ffn = FFN_LAYERS.get("moe")(cfg, state, layer_index)
         else:
             self.ffn = MLP(m, state, output_std=output_std)
         self.residual_dropout = Dropout(m.dropout, rng, "replicated")
@@ -83,9 +81,7 @@ def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = N
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """x `[b, s, h]` through every layer -> (`[b, s, h]`, sum of the MoE layers' aux losses, a 0
     tensor when there are none). `partitioner`: Lancet's partitioned forward
-    (moe/lancet_partition.py, `moe.lancet.partitions`), which runs the layers instead."""
-    from megatron_moe.moe.cross_layer import link_moe_layers  # lazy: the MoE package builds on the model package
-
+    (techniques/lancet/lancet_partition.py, `moe.lancet.partitions`), which runs the layers instead."""
     link_moe_layers(moe_ffns(layers))
     if partitioner is not None:
         return partitioner.run(layers, x, padding_mask)
@@ -96,6 +92,13 @@ def run_layers(layers, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = N
             aux_losses.append(aux_loss)
     aux_loss = torch.stack(aux_losses).sum() if aux_losses else torch.zeros((), device=x.device)
     return x, aux_loss
+
+
+def link_moe_layers(moe_layers) -> None:
+    """Tell each MoE layer which MoE layer follows it in the forward pass (idempotent; cross-layer
+    scheduling, techniques/proprophet/cross_layer.py, reads `next_moe`)."""
+    for layer, successor in zip(moe_layers, list(moe_layers[1:]) + [None]):
+        object.__setattr__(layer, "next_moe", successor)  # a plain reference, not a submodule
 
 
 def moe_ffns(layers) -> List[torch.nn.Module]:

@@ -30,7 +30,7 @@ the held experts are computed with their first slot (one `index_select` per stac
 not all slots in order), and the parameters carry `expert_rows` for checkpoints and
 initialization and `vexpert_slots` for the gradient norm.
 
-Lancet (`moe.lancet.defer_wgrad`, `moe/lancet.py`): with `wgrad` set, those weight-gradient
+Lancet (`moe.lancet.defer_wgrad`, `techniques/lancet/lancet.py`): with `wgrad` set, those weight-gradient
 additions are queued for the model's `WGradScheduler` instead of run in backward.
 """
 from __future__ import annotations
@@ -46,8 +46,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import expert_ffn_hidden_size
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
-from megatron_moe.model.param_meta import ParamMeta, make_param
-from megatron_moe.model.transformer import residual_output_std
+from megatron_moe.model.param_meta import ParamMeta, make_param, residual_output_std
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad, scale_grad
 from megatron_moe.moe.vexperts import SlotTable, expert_rows
 
@@ -75,7 +74,7 @@ class Experts(torch.nn.Module):
         self.hidden_size, self.esp_rank = m.hidden_size, state.esp.rank
         self.slot_table = (SlotTable.initial(num_experts, state.ep_size, slots_per_rank, state.ep.rank)
                            if slots_per_rank is not None else None)
-        self.wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): w1 / w2 gradients deferred in backward
+        self.wgrad = None  # Lancet's WGradScheduler (techniques/lancet/lancet.py): w1 / w2 gradients deferred in backward
 
         def param(shape, dim, init="normal", std=0.0, role="weight"):
             meta = ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")], init=init, std=std, role=role)

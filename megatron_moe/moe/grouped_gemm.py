@@ -9,7 +9,7 @@ Two entry points:
   not leaves: their gradient must flow back to *Agg*).
 * `grouped_mm_into_grad`: `w` is rows `index` of a leaf stack (an expert parameter; all rows
   when `index` is None) and its gradient is scaled by `scale`. With a Lancet `WGradScheduler`
-  (`moe/lancet.py`), and on the CPU wherever our dW kernels beat the native backward
+  (`techniques/lancet/lancet.py`), and on the CPU wherever our dW kernels beat the native backward
   (`Groups.own_wgrad_pays`), backward computes dX and adds dW_g = scale x_g^T dy_g straight into
   the leaf's `.grad`: no `[G, k, n]` gradient is allocated per micro-batch and then added, one
   read-modify-write of the stack instead. Otherwise it is plain autograd through the native kernel.
@@ -21,7 +21,10 @@ groups padded to the largest count (`_padding_pays`); else `torch._grouped_mm` i
 then added, while the stack is small; else one `addmm_` per non-empty group, in place. On CUDA:
 `torch._grouped_mm`'s single kernel into a temporary, then added. There is no
 per-expert indexing of a stack in autograd (indexing `w[g]` costs a zero-filled `[G, k, n]`
-gradient per group, O(G^2) memory traffic). Under autocast both operands are cast to the autocast
+gradient per group, O(G^2) memory traffic). bf16 runs (`model/precision.py`): the operands are
+bf16, products accumulate in fp32 inside the kernels, and `grouped_mm_into_grad` always adds dW
+into the leaf's fp32 `main_grad` (no bf16 [G, k, n] gradient for autograd to hand over and a
+hook to fold in). Under autocast both operands are cast to the autocast
 dtype first, as `torch.matmul` would be. Every path gives the plain per-group matmuls' result up to
 float rounding (tests/unit/test_grouped_gemm.py).
 """
@@ -31,6 +34,8 @@ import math
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+
+from megatron_moe.model.precision import accumulate_wgrad_, grad_buffer, has_main_grad
 
 _SUPPORTED: Dict[Tuple[str, torch.dtype], bool] = {}
 _REFUSED: Set[Tuple[str, torch.dtype, int, int]] = set()  # shapes the native kernel rejected (alignment)
@@ -139,20 +144,20 @@ def _padded(rows: torch.Tensor, counts: List[int], length: int) -> torch.Tensor:
 def add_wgrad_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, groups: Groups, alpha: float = 1.0) -> None:
     """out [G, k, n] += alpha x_g^T dy_g for every group g (x [m, k], dy [m, n], rows grouped by `groups`)."""
     counts = groups.counts
-    if x.dtype != out.dtype:  # autocast: the product in the compute dtype, accumulated in the stack's
-        tmp = torch.zeros(out.shape, dtype=x.dtype, device=out.device)
-        add_wgrad_(tmp, x, dy, groups)
-        out.add_(tmp, alpha=alpha)
-    elif out.device.type == "cpu" and groups.padding_pays:
+    if out.device.type == "cpu" and groups.padding_pays:
         length = max(counts)
-        out.baddbmm_(_padded(x, counts, length).transpose(1, 2), _padded(dy, counts, length), alpha=alpha)
+        a, b = _padded(x, counts, length).transpose(1, 2), _padded(dy, counts, length)
+        if a.dtype == out.dtype:
+            out.baddbmm_(a, b, alpha=alpha)
+        else:  # bf16 operands, fp32 main gradient: the CPU has no fp32-output bf16 kernel (model/precision.py)
+            out.add_(torch.bmm(a, b), alpha=alpha)
     elif ((out.device.type != "cpu" or out.numel() <= _NATIVE_TEMP_MAX_ELEMENTS)
           and (native := _native_mm(x.t(), dy, groups)) is not None):
         out.add_(native, alpha=alpha)  # one kernel into a temporary (CUDA: from the caching allocator)
     else:
         for g, (rows, grads) in enumerate(zip(x.split(counts), dy.split(counts))):
             if rows.shape[0]:
-                out[g].addmm_(rows.t(), grads, alpha=alpha)
+                accumulate_wgrad_(out[g], rows.t(), grads, alpha)
 
 
 def _autocast_pair(x: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -232,17 +237,16 @@ def _held(stack: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
 
 def add_into_grad_(leaf: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, groups: Groups,
                    index: Optional[torch.Tensor], scale: float) -> None:
-    """leaf.grad[index (all rows if None)] viewed [G, k, n] += scale x_g^T dy_g, creating `.grad`
-    as autograd would."""
-    if leaf.grad is None:
-        leaf.grad = torch.zeros_like(leaf)
+    """leaf's gradient (its fp32 `main_grad` in bf16 runs, else `.grad`, created as autograd would)
+    [index (all rows if None)] viewed [G, k, n] += scale x_g^T dy_g."""
+    buffer = grad_buffer(leaf)
     shape = (len(groups.counts), x.shape[1], dy.shape[1])
     if index is None:
-        add_wgrad_(leaf.grad.view(shape), x, dy, groups, scale)
+        add_wgrad_(buffer.view(shape), x, dy, groups, scale)
         return
-    rows = torch.zeros(shape, dtype=leaf.dtype, device=leaf.device)
+    rows = torch.zeros(shape, dtype=buffer.dtype, device=leaf.device)
     add_wgrad_(rows, x, dy, groups, scale)
-    leaf.grad.index_add_(0, index, rows.view((shape[0],) + tuple(leaf.shape[1:])))
+    buffer.index_add_(0, index, rows.view((shape[0],) + tuple(leaf.shape[1:])))
 
 
 class _GroupedMMIntoGrad(torch.autograd.Function):
@@ -268,7 +272,7 @@ class _GroupedMMIntoGrad(torch.autograd.Function):
 
         if ctx.scheduler is None:
             dw()
-        else:  # Lancet: run it while a backward all-to-all is in flight (moe/lancet.py)
+        else:  # Lancet: run it while a backward all-to-all is in flight (techniques/lancet/lancet.py)
             ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw, (leaf,))
         return dx, None, None, None, None, None
 
@@ -279,7 +283,8 @@ def grouped_mm_into_grad(x: torch.Tensor, leaf: torch.nn.Parameter, index: Optio
     gradient, times `scale`, goes straight into `leaf.grad` (rows `index`), in backward or, with
     a Lancet `WGradScheduler`, when that runs its deferred work."""
     groups = _groups(x, leaf.shape[0] if index is None else index.numel(), counts)
-    if scheduler is None and not groups.own_wgrad_pays(x.device, leaf[0].numel() * len(groups.counts)):
+    if (scheduler is None and not has_main_grad(leaf)
+            and not groups.own_wgrad_pays(x.device, leaf[0].numel() * len(groups.counts))):
         # autograd: the native backward's dW (through index_select's backward and the scale) into `.grad`
         return _grouped_mm_autograd(x, scale_grad(_held(leaf, index), scale), groups)
     return _GroupedMMIntoGrad.apply(x, leaf, index, float(scale), groups, scheduler)

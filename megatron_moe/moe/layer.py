@@ -33,8 +33,8 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.moe import cross_layer
 from megatron_moe.model.recompute import is_recomputing
+from megatron_moe.model.transformer import FFN_LAYERS
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.replicas import fetch_replicas
@@ -45,6 +45,7 @@ from megatron_moe.moe.shared_expert import SharedExpert
 from megatron_moe.moe.stats import MoEStats
 
 
+@FFN_LAYERS.register("moe")
 class MoELayer(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState, layer_index: int):
         super().__init__()
@@ -58,11 +59,12 @@ class MoELayer(torch.nn.Module):
         self.shared_expert = SharedExpert(cfg, state) if cfg.moe.shared_expert_ffn_hidden_size else None
         self.state = state
         self.last_stats: Optional[MoEStats] = None
-        # cross-layer scheduling (moe/cross_layer.py): the next MoE layer, Trans it got early
+        # cross-layer scheduling (the balancer's `cross_layer`; Pro-Prophet's: techniques/proprophet/cross_layer.py):
+        # the next MoE layer, Trans it got early
         self.next_moe: Optional["MoELayer"] = None
         self.prefetched, self.prefetched_rest = None, None
         self.replica_times = C.TimeSink()  # this forward's Trans / Agg times
-        # Lancet's partitioned forward (moe/lancet_partition.py): set while it runs one of a
+        # Lancet's partitioned forward (techniques/lancet/lancet_partition.py): set while it runs one of a
         # micro-batch's batch parts through this layer, a later part (index > 0) keeps the times
         self.part_index: Optional[int] = None
         # training.recompute=full: each training forward's placements, replayed by its recomputation
@@ -84,7 +86,7 @@ class MoELayer(torch.nn.Module):
             self.planned.append(planner.placements)
         if self.prefetched is None and not self.part_index:
             self.replica_times = C.TimeSink()
-        replicas = cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
+        replicas = self.balancer.cross_layer.take_prefetched(self, placement.replicas)  # issued by the block before
         if replicas is None:
             replicas = fetch_replicas(self.experts, placement, self.state, self.replica_times)  # Trans starts
         self.balancer.last_plan_seconds = 0.0
@@ -95,6 +97,7 @@ class MoELayer(torch.nn.Module):
             if not self.balancer.plans_during_dispatch:
                 observe()
                 observe = None
+        cross_layer = self.balancer.cross_layer
         shared, run_shared = self._shared(x.reshape(b * s, h))
         hooks = RunHooks(_both(_both(observe, while_dispatching), run_shared),
                          lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()), while_combining)

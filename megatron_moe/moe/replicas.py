@@ -40,6 +40,7 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group, ParallelState
+from megatron_moe.model.precision import grad_buffer, grad_dtype
 from megatron_moe.moe.placement import Placement
 
 TRANS_KIND = "trans"
@@ -102,7 +103,7 @@ class _Trans(torch.autograd.Function):
 
     The node is created where the replicas are used (`ReplicaWeights.stacks`), not where Trans was
     issued: autograd runs ready nodes latest-created first, so Agg then starts as soon as the
-    replicas' gradients exist even when Trans was issued a layer earlier (`moe/cross_layer.py`)."""
+    replicas' gradients exist even when Trans was issued a layer earlier (`techniques/proprophet/cross_layer.py`)."""
 
     @staticmethod
     def forward(ctx, plan: ReplicaPlan, group: Group, received: Tuple[torch.Tensor, ...], *owned):
@@ -118,11 +119,12 @@ class _Trans(torch.autograd.Function):
         pending, sends, recvs = [], [], []
         for e, i, owner, peers, everywhere in _operations(plan, group.size, len(owned)):
             if owner == me:
-                buffers = [owned[i].new_zeros(owned[i].shape[1:]) for _ in (peers[:1] if everywhere else peers)]
+                buffers = [owned[i].new_zeros(owned[i].shape[1:], dtype=grad_dtype(owned[i]))  # fp32 in bf16 runs
+                           for _ in (peers[:1] if everywhere else peers)]
                 sums += [(e, i, b) for b in buffers]
             else:
-                grad = grads[i][position[e]].contiguous() if grads[i] is not None else \
-                    owned[i].new_zeros(owned[i].shape[1:])
+                grad = grads[i][position[e]].to(grad_dtype(owned[i])).contiguous() if grads[i] is not None else \
+                    owned[i].new_zeros(owned[i].shape[1:], dtype=grad_dtype(owned[i]))
             if everywhere:  # the broadcast's adjoint: reduce to the owner (its own part: zeros)
                 pending.append(C.reduce_async(buffers[0] if owner == me else grad, owner, group, kind=AGG_KIND,
                                               sink=plan.sink))
@@ -137,10 +139,7 @@ class _Trans(torch.autograd.Function):
                 handle.wait()
             with torch.no_grad():
                 for e, i, summed in sums:
-                    param = owned[i]
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    param.grad[e - first] += summed
+                    grad_buffer(owned[i])[e - first] += summed  # fp32 main_grad in bf16 runs
 
         torch.autograd.Variable._execution_engine.queue_callback(finish)
         return (None, None, None) + (None,) * len(owned)
@@ -160,7 +159,7 @@ class TransPart:
 @dataclass
 class ReplicaWeights:
     """The replica stacks of one forward (`Experts.forward`'s `replicas`): one part per *Trans*
-    that moved them (two when Pro-Prophet's scheduler splits it, `moe/cross_layer.py`); parts
+    that moved them (two when Pro-Prophet's scheduler splits it, `techniques/proprophet/cross_layer.py`); parts
     hold ascending, disjoint expert ranges, so their concatenation is ascending too."""
 
     expert_ids: List[int]

@@ -41,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.registry import Registry
 from megatron_moe.config.schema import Config
+from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
 from megatron_moe.moe.expert_bias import LoadCounter, make_expert_bias
-from megatron_moe.registry import Registry
 
 
 @dataclass
@@ -114,8 +115,10 @@ def top_k_gating(logits: torch.Tensor, top_k: int, *, score_function: str = "sof
     return probs, expert_ids, weights
 
 
-def check_router_config(moe) -> None:
+@section_check("moe.router")
+def check_router_config(cfg: Config, world_size: int) -> None:
     """One-line errors for the score function, expert bias and group-limited routing keys."""
+    moe = cfg.moe
     if moe.score_function not in SCORE_FUNCTIONS:
         raise ConfigError(f"moe.score_function={moe.score_function!r} must be one of {', '.join(SCORE_FUNCTIONS)}")
     if moe.topk_scaling_factor <= 0 or moe.expert_bias_rate < 0:
@@ -214,7 +217,12 @@ def losses_from_sums(router: "Router", mean_probs: torch.Tensor, mean_z: torch.T
             + router.z_loss_coeff * mean_z)
 
 
-GATES = Registry("moe.gate")
+GATES = Registry("moe.gate")  # "softmax" here, "topology": techniques/fastermoe/topology_gate.py
+
+
+@section_check("moe.gate")
+def _check_gate(cfg: Config, world_size: int) -> None:
+    GATES.get(cfg.moe.gate)
 
 
 @GATES.register("softmax")
@@ -268,5 +276,3 @@ class Router(torch.nn.Module):
                     + self.z_loss_coeff * z_loss(logits))
         return Routing(expert_ids, weights, kept, tokens_per_expert, aux_loss, capacity)
 
-
-from megatron_moe.moe import topology_gate  # noqa: E402,F401  (registers "topology")

@@ -18,6 +18,7 @@ import torch
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
+from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import MLP
 from megatron_moe.model.param_meta import ParamMeta, make_param
@@ -45,7 +46,8 @@ class SharedExpert(torch.nn.Module):
         return gate * y
 
 
-def check_shared_expert_config(cfg: Config) -> None:
+@section_check("moe.shared_expert")
+def check_shared_expert_config(cfg: Config, world_size: int) -> None:
     f = cfg.moe.shared_expert_ffn_hidden_size
     if f is None:
         if cfg.moe.shared_expert_gate:

@@ -26,6 +26,7 @@ parameter and of its optimizer state.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -34,6 +35,7 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group
+from megatron_moe.model.precision import grad_buffer
 
 MOVE_KIND = "vexpert_move"
 GRAD_KIND = "vexpert_grad"
@@ -122,7 +124,7 @@ def sync_replica_grads(params: Sequence[torch.nn.Parameter], table: SlotTable, g
     if not shared:
         return
     row = table.slots[table.ep_rank]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    grads = [grad_buffer(p) for p in params]  # fp32 main_grad in bf16 runs (model/precision.py)
     width = sum(g[0].numel() for g in grads)
     buffer = grads[0].new_zeros(len(shared), width)  # [X, all parameters of one slot]
     for i, e in enumerate(shared):
@@ -137,8 +139,6 @@ def sync_replica_grads(params: Sequence[torch.nn.Parameter], table: SlotTable, g
                 n = g[k].numel()
                 g[k].copy_(buffer[i, offset: offset + n].view_as(g[k]))
                 offset += n
-    for p, g in zip(params, grads):
-        p.grad = g
 
 
 # -- moves ----------------------------------------------------------------------------------------
@@ -194,6 +194,7 @@ def relocate(table: SlotTable, new_slots: np.ndarray, state_tensors: Sequence[to
             offset += n
 
     width = sum(t[0].numel() for t in state_tensors)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in state_tensors])  # bf16 runs: fp32 (lossless)
     sends, recvs, writes = [], [], []
     for t in transfers:
         if t.src_rank == me and t.dst_rank == me:
@@ -201,7 +202,7 @@ def relocate(table: SlotTable, new_slots: np.ndarray, state_tensors: Sequence[to
         elif t.src_rank == me:
             sends.append((t.dst_rank, pack(t.src_slot)))
         elif t.dst_rank == me:
-            buffer = state_tensors[0].new_empty(width)
+            buffer = state_tensors[0].new_empty(width, dtype=dtype)
             recvs.append((t.src_rank, buffer))
             writes.append((t.dst_slot, buffer))
     C.p2p_exchange(sends, recvs, group, kind=MOVE_KIND).wait()
@@ -213,11 +214,12 @@ def relocate(table: SlotTable, new_slots: np.ndarray, state_tensors: Sequence[to
 
 def optimizer_tensors(params: Sequence[torch.nn.Parameter],
                       optimizer: Optional[torch.optim.Optimizer]) -> List[torch.Tensor]:
-    """The [V, ...] tensors a move carries: each parameter, then its AdamW moments once they exist."""
+    """The [V, ...] tensors a move carries: each parameter, then its AdamW moments once they exist
+    and, in bf16 runs, its fp32 master (training/mixed_precision.py)."""
     tensors = [p.data for p in params]
     for p in params:
         st = optimizer.state.get(p, {}) if optimizer is not None else {}
-        tensors += [st[key] for key in ("exp_avg", "exp_avg_sq") if key in st]
+        tensors += [st[key] for key in ("exp_avg", "exp_avg_sq", "master") if key in st]
     return tensors
 
 

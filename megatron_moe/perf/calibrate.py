@@ -9,7 +9,7 @@ Operations (`perf/hardware.py`), x = elements (fp32 values) in the convention of
 
 * mp_allgather:    MP-AllGather on `tp` whose gathered output has x elements;
 * ep_esp_alltoall: EP&ESP-AlltoAll on `ep_esp` with x input elements per rank, split evenly;
-* saa:             S2's second EP&ESP-AlltoAll as SAA (`EpEspExchange`, moe/schedules/parm.py):
+* saa:             S2's second EP&ESP-AlltoAll as SAA (`EpEspExchange`, techniques/parm/parm.py):
                    x elements of partial sums per rank, phased over `ep_esp`, with the MP-AllGather
                    of the combined rows on `tp` overlapped;
 * p2p:             x elements exchanged between EP ranks 2i and 2i+1 of `ep` (both directions);
@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,34 +43,17 @@ import torch
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
-from megatron_moe.perf.hardware import OPS, ClusterSpec, HardwareProfile, Link, load_profile, save_profile
+from megatron_moe.model.pipeline_stages import STAGE_HOOKS
+from megatron_moe.perf.hardware import (OPS, ClusterSpec, ExpertShape, HardwareProfile, Link, expert_shape, load_profile,
+                                       profile_needs, save_profile)
 from megatron_moe.perf import timing
-from megatron_moe.perf.timing import slowest_rank_seconds
+from megatron_moe.perf.rank_timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
 Points = Dict[str, Tuple[List[int], List[float]]]  # op -> (x, seconds); x = [] on a group of one rank
 STARTUP_SIZES = (1 << 14, 1 << 17, 1 << 20)  # elements per op at start-up: a few seconds in all
 STARTUP_ROWS = (64, 512, 4096)  # expert rows timed at start-up
 STARTUP_REPS = 5
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    """One expert shard's FFN: hidden h, FFN units f (this shard's), gated (SwiGLU) or not."""
-
-    hidden: int = 1024
-    ffn: int = 4096
-    gated: bool = False
-
-    @property
-    def flops_per_row(self) -> float:
-        return 2.0 * self.hidden * self.ffn * (3 if self.gated else 2)
-
-    def params(self, bias: bool, esp_size: int) -> int:
-        """Elements of one expert shard's parameters: w1 [h, (2,) f], w2 [f, h], b1 [(2,) f] and
-        b2's h / N_ESP slice (what *Trans* moves and *Agg* sums)."""
-        width = self.ffn * (2 if self.gated else 1)
-        return self.hidden * (width + self.ffn) + ((width + self.hidden // esp_size) if bias else 0)
 
 
 def geometric_sizes(min_elements: int, max_elements: int, points: int) -> List[int]:
@@ -87,7 +70,7 @@ def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
     """op -> (group, requested size -> (x actually measured, callable that runs the op once))."""
     from megatron_moe.moe.grouped_gemm import grouped_mm
     from megatron_moe.moe.placement import Placement
-    from megatron_moe.moe.schedules.parm import EpEspExchange
+    from megatron_moe.techniques.parm.parm import EpEspExchange
 
     tp, ep, ep_esp = state.tp, state.ep, state.ep_esp
 
@@ -239,13 +222,6 @@ def fit_description(state: ParallelState, tool: str, reps: int, shape: ExpertSha
 
 
 # -- start-up calibration --------------------------------------------------------------------------
-def expert_shape(cfg, state: ParallelState) -> ExpertShape:
-    from megatron_moe.config.validate import expert_ffn_hidden_size
-
-    return ExpertShape(cfg.model.hidden_size, expert_ffn_hidden_size(cfg) // state.esp_size,
-                       cfg.model.activation == "swiglu")
-
-
 def cache_path(state: ParallelState, shape: ExpertShape, directory: Optional[str] = None) -> str:
     """Where the calibrated profile of this machine, layout and expert shape is cached
     (`perf.calibration_cache`, default `<cache dir>/hardware`)."""
@@ -262,8 +238,6 @@ def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
     """`cfg` unchanged if it names a profile or needs none; else `cfg` with `perf.hardware_profile`
     set to a profile calibrated on these ranks (or cached), copied into the run directory unless
     `run_dir_copy` is false. Collective (over the world) when it calibrates."""
-    from megatron_moe.config.validate import profile_needs
-
     needs = profile_needs(cfg)
     if cfg.perf.hardware_profile or not needs:
         return cfg
@@ -291,3 +265,10 @@ def resolve_hardware_profile(cfg, state: ParallelState, device: torch.device,
         say(f"perf: hardware profile for {', '.join(who for _, who in needs)} {message}: {path}{copied}; "
             "set perf.hardware_profile to use your own")
     return replace(cfg, perf=replace(cfg.perf, hardware_profile=path))
+
+
+@STAGE_HOOKS.register("perf.hardware_profile")
+def _stage_profile(cfg, state: ParallelState, device: torch.device):
+    """A stage's model calibrates as the trainer does when a technique needs a profile and the config
+    names none (collective; a no-op when the trainer already did), without the run-directory copy."""
+    return resolve_hardware_profile(cfg, state, device, run_dir_copy=False)

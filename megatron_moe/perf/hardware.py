@@ -49,12 +49,39 @@ import yaml
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.perf.alpha_beta import AlphaBeta
+from megatron_moe.config.validate import expert_ffn_hidden_size, section_check
+from megatron_moe.config.registry import Hooks
 
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
 BALANCER_OPS = ("p2p", "broadcast", "expert_compute")  # FasterMoE Eq. 7-10 (and the balancers after it)
-LANCET_OPS = ("ep_esp_alltoall",)  # Lancet Alg. 1's all-to-all time (moe/lancet.py); expert_compute seeds dW's
+LANCET_OPS = ("ep_esp_alltoall",)  # Lancet Alg. 1's all-to-all time (techniques/lancet/lancet.py); expert_compute seeds dW's
 OPS = PARM_OPS + BALANCER_OPS
 LINK_KINDS = ("all_to_all", "all_gather", "all_reduce", "p2p", "broadcast", "reduce")  # cluster.links
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One expert shard's FFN: hidden h, FFN units f (this shard's), gated (SwiGLU) or not."""
+
+    hidden: int = 1024
+    ffn: int = 4096
+    gated: bool = False
+
+    @property
+    def flops_per_row(self) -> float:
+        return 2.0 * self.hidden * self.ffn * (3 if self.gated else 2)
+
+    def params(self, bias: bool, esp_size: int) -> int:
+        """Elements of one expert shard's parameters: w1 [h, (2,) f], w2 [f, h], b1 [(2,) f] and
+        b2's h / N_ESP slice (what *Trans* moves and *Agg* sums)."""
+        width = self.ffn * (2 if self.gated else 1)
+        return self.hidden * (width + self.ffn) + ((width + self.hidden // esp_size) if bias else 0)
+
+
+def expert_shape(cfg, state) -> ExpertShape:
+    """One expert shard of `cfg` on `state` (a ParallelState: its ESP degree)."""
+    return ExpertShape(cfg.model.hidden_size, expert_ffn_hidden_size(cfg) // state.esp_size,
+                       cfg.model.activation == "swiglu")
 
 
 @dataclass(frozen=True)
@@ -193,3 +220,24 @@ def save_profile(profile: HardwareProfile, path: str) -> None:
     with open(tmp, "w") as f:
         yaml.safe_dump(profile_dict(profile), f, sort_keys=False)
     os.replace(tmp, path)
+
+
+# (cfg) -> [(ops, the config key=value that needs them)]: each technique says what its cost model
+# needs from the hardware profile, in this order
+PROFILE_NEEDS: Hooks = Hooks("hardware profile needs", ("parm", "fastermoe", "flexmoe", "proprophet", "lancet"))
+
+
+def profile_needs(cfg) -> list:
+    """[(hardware profile ops, the config key=value that needs them)] for `cfg`'s techniques."""
+    return [need for _, needs in PROFILE_NEEDS.items() for need in needs(cfg)]
+
+
+@section_check("perf.hardware_profile")
+def _check_profile(cfg, world_size: int) -> None:
+    """A given hardware profile must have what the configured techniques' models need (without
+    one, they are calibrated at start-up)."""
+    profile = cfg.perf.hardware_profile
+    if profile:
+        loaded = load_profile(profile)  # ConfigError naming perf.hardware_profile if missing or malformed
+        for ops, who in profile_needs(cfg):
+            loaded.require(ops, who)

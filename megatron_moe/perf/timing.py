@@ -30,7 +30,6 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 
 
 class Duration:
@@ -287,40 +286,3 @@ def measure(fn: Callable[[], object], device=None) -> float:
     with wall(device) as w:
         fn()
     return w.seconds
-
-
-def init_state(tensor: int, expert: int, expert_shard: int, backend: str = "auto",
-               ranks_per_node: Optional[int] = None) -> ParallelState:
-    """Process group from torchrun's environment (or one process) and the ParallelState of a layout
-    (nodes as given, else as the launcher placed the ranks), for the measuring tools
-    (`tools/profile_comm.py`, `benchmarks/moe_layer.py`)."""
-    from megatron_moe.distributed import launch
-
-    info = launch.initialize(backend)
-    layout = RankLayout(world_size=info.world_size, tensor=tensor, expert=expert, expert_shard=expert_shard,
-                        ranks_per_node=ranks_per_node or info.ranks_per_node)
-    return ParallelState.build(layout, info.rank)
-
-
-def process_device():
-    """The device this process's work runs on: the current GPU once NCCL's launch set it, else the CPU."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def slowest_rank_seconds(fn: Callable[[], object], state: ParallelState, device=None) -> float:
-    """Barrier, run `fn` on every rank, return the largest wall time (identical on all ranks;
-    measurement mode on `device`, default this process's). The final max-reduction is not counted
-    in COMM_STATS' snapshot taken inside `fn`."""
-    import torch
-
-    from megatron_moe.distributed import collectives as C
-
-    device = device if device is not None else process_device()
-    C.barrier(state.world)
-    seconds = measure(fn, device)
-    elapsed = torch.tensor([seconds], dtype=torch.float64, device=device)
-    return float(C.all_reduce(elapsed, state.world, op="max"))

@@ -13,7 +13,7 @@ the expert view's `ep_esp` groups are indexed by `edp` rank; inside one, ranks a
 ``ep_rank * esp + esp_rank``. The groups across stages (`pp`, `embedding`, `world`) have every
 rank's coordinate, group id (ranks of this stage in one group share it), size and whether the
 group spans nodes, as ParallelState's; their collectives are timed across the stages by
-`sim/pipeline.py`. With one stage, every rank's `pp` and `embedding` groups are itself.
+`sim/stages.py`. With one stage, every rank's `pp` and `embedding` groups are itself.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class WorldLayout:
     def members(self, name: str) -> np.ndarray:
         """Int[G, n]: the stage's ranks of every `name` group in member order (ascending); only the
         groups inside the stage (`STAGE_GROUPS`)."""
-        assert name in STAGE_GROUPS, f"group {name} spans pipeline stages (sim/pipeline.py)"
+        assert name in STAGE_GROUPS, f"group {name} spans pipeline stages (sim/stages.py)"
         if name not in self._members:
             order = np.lexsort((np.arange(self.size), self.group_id[name]))
             self._members[name] = order.reshape(-1, self.group_size[name])

@@ -19,7 +19,7 @@ sync after the micro-batches (`sim/params.py`) are not here.
 
 Lancet's partitioned forward (`moe.lancet.partitions` k > 1): the sublayers become §5's
 instructions with their simulated times at 1..k parts (the slowest rank's), `best_partitioning`
-(`perf/lancet_partition.py`, the dynamic program training runs on measured times) picks the
+(`techniques/lancet/lancet_partition_model.py`, the dynamic program training runs on measured times) picks the
 segments, and each segment's forward runs as `pipeline_time` per rank: a computation op with the
 parts' compute, and a communication op with what the pipeline leaves exposed.
 """
@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from megatron_moe.model.attention import head_dim, query_groups
-from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning, fixed_partitioning,
+from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, Segment, best_partitioning, fixed_partitioning,
                                                  pipeline_time)
 from megatron_moe.sim.ops import Op, OpBuilder
 
@@ -108,7 +108,7 @@ def lancet_segments(sublayers: List[Tuple[str, List[Op], bool]], max_parts: int,
                     world, max_range: Optional[int] = None) -> List[Segment]:
     """`moe.lancet.partition_range`: auto, §5.1's dynamic program over the simulated instruction
     times (`best_partitioning`, segments of at most `max_range` sublayers); N, every MoE FFN with N
-    sublayers before and after it (`fixed_partitioning`), as `moe/lancet_partition.py` decides on
+    sublayers before and after it (`fixed_partitioning`), as `techniques/lancet/lancet_partition.py` decides on
     measured times."""
     if str(partition_range) != "auto":
         return fixed_partitioning([is_moe for _, _, is_moe in sublayers], max_parts, int(partition_range))

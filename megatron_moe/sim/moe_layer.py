@@ -16,7 +16,7 @@ rows: kept assignments; a group of one rank issues nothing), in the order the la
     s2 (Fig. 3(c)): counts on `ep_esp`, EP&ESP-AlltoAll of this TP rank's chunk of every expert,
       experts, back (AAS: all-to-all then MP-AllGather; SAA: phased point to point with the
       all-gathers overlapped, after one exchange of the TP peers' splits); backward the same.
-    auto: both candidates' counts on `ep_esp`, Alg. 1's pick (`perf/parm_model.py`, the max over
+    auto: both candidates' counts on `ep_esp`, Alg. 1's pick (`techniques/parm/parm_model.py`, the max over
       `tp` when a TP group spans ep_esp groups), then S1's or S2's exchange (S1 split after the gate).
     smart (FasterMoE §4.2, `moe.smart_schedule`): the exchange, experts and exchange back as
       pipelined pairwise steps ("smart_p2p"), forward and backward.
@@ -24,7 +24,7 @@ rows: kept assignments; a group of one rank issues nothing), in the order the la
 Sources (`Placement` rows): baseline, the `ep` ranks after the ESP-AllGather (the summed
 micro-batches of their ESP group); s1, each ep_esp rank's token piece (exact when the trace gives
 pieces, else each expert's kept rows dealt evenly over the TP ranks); s2, each ep_esp rank's chunk
-of every expert (exact: the chunks depend only on the counts). Replicas: `sim/replicas.py`.
+of every expert (exact: the chunks depend only on the counts). Replicas: `sim/replica_traffic.py`.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import torch
 
 from megatron_moe.moe.balancers.base import OwnerOnly
 from megatron_moe.moe.placement import Placement, owned_experts
-from megatron_moe.perf.parm_model import choose_schedule, dispatched_assignments
-from megatron_moe.registry import Registry
+from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
+from megatron_moe.config.registry import Registry
 from megatron_moe.sim.ops import Op, OpBuilder, Traffic
 from megatron_moe.sim.traces import split_even
 
@@ -158,7 +158,7 @@ def tp_sum(world, per_rank: np.ndarray) -> np.ndarray:
 
 # -- FasterMoE's smart schedule ---------------------------------------------------------------------
 def smart_pipeline(send: np.ndarray, compute: np.ndarray, back: np.ndarray) -> np.ndarray:
-    """schedules/smart.py's order on one compute and one communication channel, per rank:
+    """techniques/fastermoe/smart.py's order on one compute and one communication channel, per rank:
     post S_0; for step j: wait S_j, post S_{j+1}, C_j, post R_j. send / compute / back [steps, W]."""
     steps = send.shape[0]
     comm_free, host = send[0].copy(), np.zeros_like(send[0])

@@ -16,7 +16,7 @@ Then, in the order the trainer runs them (fp32 unless said otherwise, kind "all_
 4. with `optimizer.distributed`, after the step, every flat buffer all-gathered over its replica
    group when it has more than one member (kind "param_all_gather").
 
-The vExperts' gradient sum (before 1) and moves (after 4) are the balancers' (`sim/replicas.py`).
+The vExperts' gradient sum (before 1) and moves (after 4) are the balancers' (`sim/replica_traffic.py`).
 Not modelled: the optimizer step's computation. `end_ops` gives a stage's ops; those over the
 groups across stages (`embedding`, `pp`) are timed across the stages by `sim/pipeline.run_stages`.
 """

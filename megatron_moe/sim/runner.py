@@ -11,16 +11,16 @@ sources and counts; the balancers' placements from their own `plan` (one balance
 ep_esp group, as every rank of a group holds the same one; vExpert balancers share one slot table
 per layer, as the all-reduced window makes every group decide alike); `observe` with the executed
 placement's counts, as a training forward does; then the ops (`sim/moe_layer.py`,
-`sim/replicas.py`, `sim/model.py`) of each model chunk (`model/pipeline_stages.py`'s split) run
+`sim/replica_traffic.py`, `sim/model.py`) of each model chunk (`model/pipeline_stages.py`'s split) run
 through timelines (`sim/timeline.py`) on their pipeline stage's ranks (`sim/layout.py`): with one
 stage, each micro-batch's forward and backward on one timeline; with several, each chunk's
 forward and backward of each micro-batch on its own, ordered by the training code's pipeline
-programs (`sim/pipeline.py`). After the micro-batches: the vExperts' gradient sum, the gradient
+programs (`sim/stages.py`). After the micro-batches: the vExperts' gradient sum, the gradient
 sync, grad norm and loss sums (`sim/params.py`), and every `interval` iterations the vExperts'
 `decide` on the window averaged over the groups, with the moves `relocate` would make.
 
 The decisions come from the training code (`Balancer.plan` / `observe` / `SlotBalancer.decide`,
-`perf/parm_model.py`'s Alg. 1), fed a flat profile derived from the cluster for this layout
+`techniques/parm/parm_model.py`'s Alg. 1), fed a flat profile derived from the cluster for this layout
 (`sim/cluster.decision_profile`, stage 0's ranks); only time is modelled.
 """
 from __future__ import annotations
@@ -41,17 +41,16 @@ from megatron_moe.model.pipeline_stages import StageChunks
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.vexperts import SlotTable
 from megatron_moe.perf import timing
-from megatron_moe.perf.calibrate import ExpertShape
-from megatron_moe.perf.hardware import HardwareProfile, save_profile
-from megatron_moe.perf.lancet_partition import partition_max_range
+from megatron_moe.perf.hardware import ExpertShape, HardwareProfile, save_profile
+from megatron_moe.techniques.lancet.lancet_partition_model import partition_max_range
 from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import WorldLayout
 from megatron_moe.sim.model import DenseModel, lancet_forward, lancet_segments
 from megatron_moe.sim.moe_layer import SCHEDULE_MODELS, LayerShape, ScheduleModel
 from megatron_moe.sim.ops import Op, OpBuilder, Traffic
 from megatron_moe.sim.params import StageParams, end_ops
-from megatron_moe.sim.pipeline import Pipeline
-from megatron_moe.sim.replicas import replica_ops, vexpert_grad_op, vexpert_move_op
+from megatron_moe.sim.stages import Pipeline
+from megatron_moe.sim.replica_traffic import replica_ops, vexpert_grad_op, vexpert_move_op
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.sim.traces import RecordedTrace, SyntheticTrace, split_even
 from megatron_moe.training.pipeline_schedules import expected_bubble
@@ -184,7 +183,7 @@ class Simulation:
         self.moe_at = moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}  # global layer -> MoE index
         self.stage_of = {moe_at[layer]: s for s, stage in enumerate(self.stages) for chunk in stage.chunks
                          for layer in chunk if layer in moe_at}  # MoE layer index -> stage
-        # MoE layers that start their chunk: no block before them prefetches their Trans (moe/cross_layer.py)
+        # MoE layers that start their chunk: no block before them prefetches their Trans (techniques/proprophet/cross_layer.py)
         self.first_in_chunk = {min(moe_at[layer] for layer in chunk if layer in moe_at) for stage in self.stages
                                for chunk in stage.chunks if any(layer in moe_at for layer in chunk)}
         groups = layout.expert_data_parallel
@@ -412,8 +411,8 @@ class Simulation:
         return float(timeline.clock[rank])
 
     def after_step(self, iteration: int, optimizer_state: bool = True) -> Tuple[List[List[Op]], int]:
-        """`SlotBalancer.after_optimizer_step` of every layer without the collectives: every
-        `interval` iterations, decide on the window (summed over the groups' forwards, / edp =
+        """`SlotBalancer.after_optimizer_step` of every layer without the collectives: when the
+        balancer wants a decision (`wants_decision`), decide on the window (summed over the groups' forwards, / edp =
         their mean, the all-reduce "vexpert_plan/edp") and move (weights, and with
         `optimizer_state` both AdamW moments) -> (ops per pipeline stage, primitives executed)."""
         ops, moves = [[] for _ in self.stages], 0
@@ -425,7 +424,7 @@ class Simulation:
                 continue
             balancer.window_iterations += 1
             balancer.last_moves = 0
-            if iteration % balancer.interval:
+            if not balancer.wants_decision(iteration):
                 continue
             ops[self.stage_of[i]].append(b.collective("vexpert_plan", "vexpert_plan", "edp",
                                                       lay.expert * self.cfg.moe.num_experts, 8, "all_reduce"))

@@ -13,7 +13,7 @@ Each rank has one clock (its host / compute stream) and side channels for asynch
 What a rank's clock advances through an op is that op's *exposed* time (for a collective,
 including the wait for the slowest member); its own duration minus what it exposed is *hidden*.
 Every key is communication (1), computation (0) or overlap (2: both at once, Lancet's category).
-Lancet's weight-gradient scheduling (`defer_wgrad`, moe/lancet.py, Alg. 1): the weight-gradient
+Lancet's weight-gradient scheduling (`defer_wgrad`, techniques/lancet/lancet.py, Alg. 1): the weight-gradient
 part of every backward computation (`Op.deferrable`) goes to a pool instead of the clock, and
 runs during the backward token all-to-alls (`Op.a2a`) up to their duration (that stretch of the
 all-to-all is "overlap", not exposed communication); what is left runs when backward ends. Not modelled: contention between a side channel and the
@@ -102,7 +102,7 @@ class Timeline:
             self._issue(issued, issued_label)
 
     def join(self, label: str, name: str, start: np.ndarray, seconds: np.ndarray) -> None:
-        """A collective with ranks of other timelines (other pipeline stages, `sim/pipeline.py`):
+        """A collective with ranks of other timelines (other pipeline stages, `sim/stages.py`):
         it starts at `start` [S], when every member is ready, and lasts `seconds` [S]."""
         key = (label, name)
         self.duration[key] += seconds

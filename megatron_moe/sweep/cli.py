@@ -151,7 +151,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from megatron_moe.sweep.report import write_report
+    from megatron_moe.sweep.plots import write_report
 
     sweep_dir = sweep_dir_of(args)
     plan = read_plan(sweep_dir)

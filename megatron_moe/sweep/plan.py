@@ -102,7 +102,7 @@ def simulate_points(spec: SweepSpec, runs: Sequence[Run], profile: str) -> List[
     import torch
 
     from megatron_moe.perf.hardware import load_profile
-    from megatron_moe.sim.report import summarize
+    from megatron_moe.sim.results import summarize
     from megatron_moe.sim.runner import simulate
 
     torch.set_num_threads(1)  # the planners' tensors are small (as tools/simulate.py)

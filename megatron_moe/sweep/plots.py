@@ -15,8 +15,9 @@ import shutil
 import statistics
 from typing import Dict, List, Optional, Sequence
 
-from megatron_moe.sweep.report import PointRow, RunRow, metric_value, reduce_metric
-from megatron_moe.sweep.spec import format_value
+from megatron_moe.sweep.report import (PointRow, RunRow, aggregate, collect, metric_value, reduce_metric,
+                                       write_markdown, write_points_csv, write_runs_csv)
+from megatron_moe.sweep.spec import SEED_KEY, format_value
 
 
 def _pyplot():
@@ -131,3 +132,22 @@ def write_hparams(sweep_dir: str, rows: Sequence[RunRow], keys: Sequence[str], m
         with SummaryWriter(os.path.join(root, r.name)) as writer:
             writer.add_hparams(hparams, values, hparam_domain_discrete=discrete, run_name=".")
     return root
+
+
+def write_report(sweep_dir: str, plan: Dict, group_by: Optional[str] = None, value: Optional[str] = None,
+                 last_n: Optional[int] = None) -> List[str]:
+    """Write the report files into `sweep_dir`; return their paths."""
+    opts = plan["report"]
+    value, last_n = value or opts["value"], last_n or opts["last_n"]
+    metrics = plan["metrics"]
+    keys = [k for k in plan["varied_keys"] if k != SEED_KEY]
+    rows = collect(plan, metrics, value, last_n)
+    points = aggregate(rows, metrics)
+    paths = [os.path.join(sweep_dir, name) for name in ("results.csv", "results_points.csv", "results.md")]
+    write_runs_csv(paths[0], rows, plan["varied_keys"], metrics)
+    write_points_csv(paths[1], points, keys, metrics)
+    write_markdown(paths[2], plan, points, keys, metrics, value, last_n)
+    group_by = group_by or opts["group_by"] or (keys[0] if keys else None)
+    paths += plot_all(sweep_dir, points, group_by, value, last_n)
+    paths.append(write_hparams(sweep_dir, rows, plan["varied_keys"], metrics))
+    return paths

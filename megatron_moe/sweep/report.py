@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -151,24 +150,3 @@ def write_markdown(path: str, plan: Dict, points: Sequence[PointRow], keys: Sequ
                                         *(_pm(p.mean[m], p.std[m]) for m in metrics)]) + " |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-
-
-def write_report(sweep_dir: str, plan: Dict, group_by: Optional[str] = None, value: Optional[str] = None,
-                 last_n: Optional[int] = None) -> List[str]:
-    """Write the report files into `sweep_dir`; return their paths."""
-    from megatron_moe.sweep.plots import plot_all, write_hparams
-
-    opts = plan["report"]
-    value, last_n = value or opts["value"], last_n or opts["last_n"]
-    metrics = plan["metrics"]
-    keys = [k for k in plan["varied_keys"] if k != SEED_KEY]
-    rows = collect(plan, metrics, value, last_n)
-    points = aggregate(rows, metrics)
-    paths = [os.path.join(sweep_dir, name) for name in ("results.csv", "results_points.csv", "results.md")]
-    write_runs_csv(paths[0], rows, plan["varied_keys"], metrics)
-    write_points_csv(paths[1], points, keys, metrics)
-    write_markdown(paths[2], plan, points, keys, metrics, value, last_n)
-    group_by = group_by or opts["group_by"] or (keys[0] if keys else None)
-    paths += plot_all(sweep_dir, points, group_by, value, last_n)
-    paths.append(write_hparams(sweep_dir, rows, plan["varied_keys"], metrics))
-    return paths

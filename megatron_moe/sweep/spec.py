@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from megatron_moe.config import ConfigError
-from megatron_moe.sweep.launch import SHAPE_KEYS, Launch, make_launch
+from megatron_moe.sweep.launch_spec import SHAPE_KEYS, Launch, make_launch
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: entry points and scripts/ live here
 TOP_KEYS = ("name", "base", "entry", "overrides", "grid", "zip", "seeds", "launch", "metrics", "report", "simulate",

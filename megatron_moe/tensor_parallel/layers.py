@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
-from megatron_moe.moe.lancet import deferred_linear
 from megatron_moe.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
                                                    reduce_from_tp_region, scatter_to_tp_region)
 
@@ -46,12 +45,12 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = None
         if bias:
             self.bias = make_param(ParamMeta("dense", out, shard, init="zeros", role="bias"), state)
-        self.wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): dW deferred in backward
+        self.wgrad = None  # Lancet's WGradScheduler (techniques/lancet/lancet.py): dW deferred in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp_region(x, self.group)
         if self.wgrad is not None and torch.is_grad_enabled():
-            y = deferred_linear(x, self.weight, self.bias, self.wgrad)  # [..., out/tp]
+            y = self.wgrad.linear(x, self.weight, self.bias)  # [..., out/tp]
         else:
             weight = self.weight.view(-1, self.weight.shape[-1])
             y = F.linear(x, weight, None if self.bias is None else self.bias.view(-1))  # [..., out/tp]
@@ -73,13 +72,13 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = make_param(ParamMeta("dense", (out_features, in_features), [(1, "tp")], std=std, role="weight"),
                                  state)
         self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros", role="bias"), state) if bias else None
-        self.wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): dW deferred in backward
+        self.wgrad = None  # Lancet's WGradScheduler (techniques/lancet/lancet.py): dW deferred in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)  # [..., in/tp]
         if self.wgrad is not None and torch.is_grad_enabled():
-            y = deferred_linear(x, self.weight, None, self.wgrad)
+            y = self.wgrad.linear(x, self.weight, None)
         else:
             y = F.linear(x, self.weight)
         y = reduce_from_tp_region(y, self.group)  # [..., out]

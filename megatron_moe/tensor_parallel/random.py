@@ -13,7 +13,7 @@ Each region owns one `torch.Generator` per device; masks are drawn explicitly wi
 so the global torch RNG is never touched and the scheme is the same on CPU and GPU. With
 dropout 0 nothing is drawn. The generator states are exposed for checkpoints (`state_dict`).
 
-Lancet's partitioned forward (moe/lancet_partition.py) runs batch parts of a micro-batch through
+Lancet's partitioned forward (techniques/lancet/lancet_partition.py) runs batch parts of a micro-batch through
 the same dropout sites, interleaved. Inside `batch_parts(...).part(q)` the i-th mask a part asks
 for is row slice q of the i-th whole-micro-batch mask, drawn by whichever part asks first (the
 first part leads at every site, so masks are drawn in the unpartitioned order): the masks are

@@ -5,6 +5,8 @@ A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
 * DCP tensor files (`checkpoint_io.py`), every tensor under its global identity:
   `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`; names are the
   same under any pipeline split, model/pipeline_stages.py, each stage writes its own),
+  (fp32 always: a bf16 run saves its fp32 master weights, training/mixed_precision.py, and loads
+  them back into its masters, so fp32 and bf16 runs resume each other's checkpoints),
   `optim/<param name>/exp_avg|exp_avg_sq` (AdamW moments share their parameter's sharding, so
   they reshard with it; a distributed optimizer writes its shards' parts as boxes of the same
   tensors), `optim/<param name>/step` (replicated scalar),
@@ -48,6 +50,8 @@ from megatron_moe.training.distributed_optimizer import DistributedOptimizer
 from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
                                                  load_entries, read_json, read_metadata, save_entries, verify_manifest,
                                                  write_json, write_manifest)
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
 
 LATEST = "latest"
 META = "meta.json"
@@ -80,8 +84,33 @@ def param_entry(tensor: Optional[torch.Tensor], meta, state: ParallelState, rows
     return ShardedEntry(tuple(shape), chunks)
 
 
-def model_entries(model: torch.nn.Module, state: ParallelState) -> Dict[str, ShardedEntry]:
-    return {f"model/{name}": param_entry(p, p.meta, state, _rows(p)) for name, p in model.named_parameters()}
+def model_entries(model: torch.nn.Module, state: ParallelState, masters=None) -> Dict[str, ShardedEntry]:
+    """`model/<name>` entries: the parameters, or in bf16 runs their fp32 masters (`masters`: name ->
+    a tensor of the parameter's shape, or [(box, offsets)] of a distributed optimizer's shard), so
+    a checkpoint holds fp32 weights whatever the run's precision."""
+    masters = masters or {}
+    out = {}
+    for name, p in model.named_parameters():
+        master = masters.get(name)
+        if isinstance(master, list):
+            out[f"model/{name}"] = param_entry(None, p.meta, state, boxes=master)
+        else:
+            out[f"model/{name}"] = param_entry(p if master is None else master, p.meta, state, _rows(p))
+    return out
+
+
+def master_weights(model: torch.nn.Module, optimizer, adam_states=None) -> Dict[str, object]:
+    """name -> fp32 master weights of bf16 parameters (training/mixed_precision.py; the distributed
+    optimizer's: boxes of its master shards); empty in fp32 runs. `adam_states`: the per-name
+    tensors a load fills instead of the live state."""
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, DistributedOptimizer):
+        return {name: st["master"] for name, st in optimizer.sharded_states().items() if "master" in st}
+    if adam_states is not None:
+        return {name: st["master"] for name, st in adam_states.items() if "master" in st}
+    return {name: optimizer.state[p]["master"] for name, p in model.named_parameters()
+            if "master" in optimizer.state.get(p, {})}
 
 
 def _rows(p: torch.nn.Parameter):
@@ -94,13 +123,19 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> Dict
             "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(())}
 
 
+def trained_parameters(model: torch.nn.Module):
+    """(name, parameter) of the parameters the optimizer steps: frozen ones (the expert bias,
+    moe/expert_bias.py) have no AdamW state nor master; the model entries save them as they are."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def optimizer_entries(model: torch.nn.Module, optimizer, state: ParallelState,
                       adam_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> Dict[str, ShardedEntry]:
     """AdamW state per parameter name; `adam_states` (name -> tensors) overrides the live state.
     A distributed optimizer offers its shards' parts (views: loading fills them)."""
     sharded = optimizer.sharded_states() if isinstance(optimizer, DistributedOptimizer) else None
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in trained_parameters(model):
         if sharded is not None:
             st = sharded[name]
             for key in ("exp_avg", "exp_avg_sq"):
@@ -188,7 +223,8 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     (`trainer_state`: plain JSON counters of the trainer, returned as meta["trainer"] on load)."""
     if not cfg.checkpoint.dir:
         raise CheckpointError("checkpoint.dir is not set; cannot save a checkpoint")
-    entries = {**model_entries(model, state), **optimizer_entries(model, optimizer, state)}
+    entries = {**model_entries(model, state, master_weights(model, optimizer)),
+               **optimizer_entries(model, optimizer, state)}
     entries.update({k: full_entry(v) for k, v in _rng_states(model, state).items()})
     meta = {"iteration": iteration, "consumed_samples": iteration * cfg.training.global_batch_size,
             "layout": layout_dict(state), "has_optimizer": True, "trainer": trainer_state or {}}
@@ -304,15 +340,21 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
     saved = meta.get("balancers")
     if saved and saved["balancer"] == cfg.moe.balancer and saved["layout"] == layout_dict(state):
         _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
-    entries = model_entries(model, state)
     adam_states = None
     distributed = isinstance(optimizer, DistributedOptimizer)
     if optimizer is not None and meta.get("has_optimizer"):
         if distributed:
             optimizer.reset_state()  # the entries are views into its zeroed shards
-        else:
-            adam_states = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                                  "step": torch.zeros((), dtype=torch.float32)} for name, p in model.named_parameters()}
+        else:  # fp32 moments (and, bf16 runs, fp32 masters) whatever the parameters' dtype
+            adam_states = {name: {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                                  "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
+                                  "step": torch.zeros((), dtype=torch.float32)} for name, p in trained_parameters(model)}
+            if hasattr(optimizer, "masters_to_params"):
+                for name, p in trained_parameters(model):
+                    adam_states[name]["master"] = torch.zeros_like(p, dtype=torch.float32)
+    masters = master_weights(model, optimizer, adam_states)  # also for weights-only checkpoints
+    entries = model_entries(model, state, masters)  # fp32 checkpoints load into bf16 runs' masters
+    if optimizer is not None and meta.get("has_optimizer"):
         entries.update(optimizer_entries(model, optimizer, state, adam_states))
     same_layout = meta["layout"] == layout_dict(state)
     rng = {}
@@ -326,12 +368,14 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
         load_entries(entries, path)
     for name, p in model.named_parameters():  # vExperts held twice on a rank: one copy was loaded
         if hasattr(p, "vexpert_slots"):
-            fill_duplicates(p.vexpert_slots, [p.data] + ([adam_states[name]["exp_avg"], adam_states[name]["exp_avg_sq"]]
-                                                         if adam_states is not None else []))
+            fill_duplicates(p.vexpert_slots, [p.data] + ([adam_states[name][k] for k in ("exp_avg", "exp_avg_sq", "master")
+                                                          if k in adam_states[name]] if adam_states is not None else []))
     if adam_states is not None:
         _set_adam_states(model, optimizer, adam_states)
     elif distributed and meta.get("has_optimizer"):
         optimizer.load_steps()
+    if masters:  # bf16 runs: the parameters from the fp32 masters just loaded
+        optimizer.masters_to_params()
     _set_rng_states(model, state, rng)
     return meta
 
@@ -363,3 +407,24 @@ def _set_adam_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     sd = optimizer.state_dict()
     sd["state"] = {index[id(p)]: adam_states[name] for name, p in model.named_parameters() if id(p) in index}
     optimizer.load_state_dict(sd)
+
+
+@section_check("checkpoint")
+def _check_checkpoint(cfg, world_size: int) -> None:
+    ck = cfg.checkpoint
+    if ck.save_interval < 0 or ck.keep_last < 0:
+        raise ConfigError("checkpoint.save_interval and checkpoint.keep_last must be >= 0")
+    if ck.save_interval > 0 and not ck.dir:
+        raise ConfigError(f"checkpoint.save_interval={ck.save_interval} needs checkpoint.dir")
+    if ck.load == "auto" and not ck.dir:
+        raise ConfigError("checkpoint.load=auto needs checkpoint.dir")
+    if ck.load not in (None, "auto"):  # a path: a checkpoint or a root of iter_<k> checkpoints (names only)
+        try:
+            is_checkpoint_root(ck.load)
+        except CheckpointError as exc:
+            raise checkpoint_load_error(ck.load, exc) from None
+
+
+def checkpoint_load_error(load: str, exc: Exception) -> ConfigError:
+    """The one-line error for a checkpoint that `checkpoint.load` names but that cannot be resumed."""
+    return ConfigError(f"checkpoint.load={load}: {exc}")

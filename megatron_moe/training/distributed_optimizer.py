@@ -6,23 +6,29 @@ AdamW's state is sharded over the replicas of each parameter: over ``dp`` for de
 ``edp`` for expert parameters (the ranks holding the same expert shard). The parameters of one
 replica group with the same weight decay, dtype, device and norm key are one flat buffer [N], padded
 to a multiple of the group size r; member i owns elements [i N / r, (i + 1) N / r). The model's
-parameters become views into that buffer, and this rank's slice of it is what AdamW steps: the fp32
-master weights are the parameters themselves (they are fp32 under bf16 autocast too), so only the
-moments are held per shard. One iteration:
+parameters become views into that buffer. In fp32 runs this rank's slice of it is what AdamW steps
+(the parameters are their own master weights), so only the moments are held per shard; in bf16
+runs (`training.precision: bf16`, docs/precision.md) the flat buffer is bf16 and this rank holds an
+fp32 master copy of its slice next to the moments (Megatron-LM's DistributedOptimizer: fp32 main
+params per shard), which AdamW steps and which is copied back into the bf16 slice. One iteration:
 
 1. backward accumulates full gradients into one flat gradient buffer per flat parameter buffer
-   (the parameters' `.grad` are views into it, set by `zero_grad`);
+   (fp32 runs: the parameters' `.grad` are views into it, set by `zero_grad`; bf16 runs: it is
+   fp32 and the parameters' `main_grad` are views into it, model/precision.py);
 2. `GradSync(replicas=False)` averages over the compute groups (tp / esp) and sums the tied
    embedding's copies (training/grads.py);
 3. each flat gradient is reduce-scattered over its replica group and scaled by 1 / dp_size: this
    rank's shard of the global-batch mean gradient (kind `grad_reduce_scatter`);
 4. the global grad norm adds each shard element once (over the replica group, the groups the
    parameters are sharded over, and ``pp``); clipping scales the shards;
-5. AdamW (torch's fused kernel) steps the shards: element-wise, so the same numbers as a full update;
-6. each flat parameter buffer is all-gathered over its replica group (kind `param_all_gather`).
+5. AdamW (torch's fused kernel) steps the shards (bf16: the fp32 master shards, then copied into the
+   bf16 slice): element-wise, so the same numbers as a full update;
+6. each flat parameter buffer is all-gathered over its replica group (kind `param_all_gather`; bf16
+   runs gather bf16).
 
 Exact: step 3 sums the numbers the all-reduce sums; step 5 is element-wise.
-Memory: the moments take 8 bytes per parameter element / r (+ padding) instead of 8.
+Memory: the moments take 8 bytes per parameter element / r (+ padding) instead of 8 (bf16: moments
+and master 12 / r, plus 2 for the bf16 weight and 4 for the fp32 gradient buffer).
 
 Checkpoints (training/checkpoint.py): `sharded_states` cuts each parameter's part of this rank's
 shard into boxes of the parameter's shape (`flat_range_boxes`), saved under the same global names
@@ -40,8 +46,18 @@ import torch
 from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import Group, ParallelState
+from megatron_moe.model.precision import attach_main_grads
 from megatron_moe.training.grads import GradSync, REPLICA_GROUP, counts_in_norm, reduce_squared_norms
-from megatron_moe.training.optimizer import DECAYED_ROLES, fused_ok
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+
+DECAYED_ROLES = frozenset({"weight", "embedding"})  # ParamMeta roles that weight decay applies to (training/optimizer.py)
+
+
+def fused_ok(params) -> bool:
+    """Can torch's fused AdamW kernel take `params` (float tensors on CPU or CUDA)?"""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+
 
 GRAD_KIND = "grad_reduce_scatter"
 PARAM_KIND = "param_all_gather"
@@ -89,8 +105,8 @@ class _FlatGroup:
     decay: bool
     starts: List[int] = field(default_factory=list)  # each parameter's offset in the flat buffer
     flat: torch.Tensor = None  # [N padded]
-    grad: torch.Tensor = None  # [N padded]: the parameters' .grad are views into it
-    shard: torch.nn.Parameter = None  # flat[lo:hi], what AdamW steps
+    grad: torch.Tensor = None  # [N padded] fp32: the parameters' .grad (bf16 runs: main_grad) are views into it
+    shard: torch.nn.Parameter = None  # what AdamW steps: flat[lo:hi] (fp32), or its fp32 master copy (bf16)
     lo: int = 0
     hi: int = 0
 
@@ -114,10 +130,19 @@ class _FlatGroup:
             for p, start in zip(self.params, self.starts):
                 self.flat[start: start + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = self.flat[start: start + p.numel()].view_as(p)
-        self.grad = torch.zeros_like(self.flat)
+        self.grad = torch.zeros_like(self.flat, dtype=torch.float32)  # fp32 main gradients in bf16 runs
         per_rank = size // self.group.size
         self.lo, self.hi = self.group.rank * per_rank, (self.group.rank + 1) * per_rank
-        self.shard = torch.nn.Parameter(self.flat[self.lo: self.hi])
+        if self.has_master:
+            self.shard = torch.nn.Parameter(self.flat[self.lo: self.hi].float())
+            attach_main_grads(self.params, self.grad, self.starts)
+        else:
+            self.shard = torch.nn.Parameter(self.flat[self.lo: self.hi])
+
+    @property
+    def has_master(self) -> bool:
+        """bf16 parameters: the shard AdamW steps is an fp32 master copy (module docstring)."""
+        return self.params[0].dtype != torch.float32
 
     def pieces(self):
         """(parameter index, its local flat range [a, b) inside this rank's shard) for every
@@ -178,7 +203,7 @@ class DistributedOptimizer:
             flat.shard.grad = None
             flat.grad.zero_()
             for p, start in zip(flat.params, flat.starts):
-                p.grad = flat.grad[start: start + p.numel()].view_as(p)
+                p.grad = None if flat.has_master else flat.grad[start: start + p.numel()].view_as(p)
 
     # -- gradients ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -220,9 +245,21 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Steps 5-6: AdamW on the shards, then every rank gets every replica-group member's shard."""
         self.adam.step()
+        self.publish()
+
+    def masters_to_params(self) -> None:
+        """After loading the master shards (checkpoints): the bf16 parameters from them."""
+        self.publish()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The shards into the parameters: bf16 runs copy each fp32 master shard into this rank's bf16
+        slice; then every rank gets every replica-group member's slice (also after loading masters)."""
         for flat in self.flats:
+            if flat.has_master:
+                flat.flat[flat.lo: flat.hi].copy_(flat.shard)
             if flat.group.size > 1:
-                collectives.all_gather(flat.shard.detach().clone(), flat.group, kind=PARAM_KIND, out=flat.flat)
+                collectives.all_gather(flat.flat[flat.lo: flat.hi].clone(), flat.group, kind=PARAM_KIND, out=flat.flat)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def reset_state(self) -> None:
@@ -233,9 +270,10 @@ class DistributedOptimizer:
                 "exp_avg": torch.zeros_like(flat.shard), "exp_avg_sq": torch.zeros_like(flat.shard)}
 
     def sharded_states(self) -> Dict[str, dict]:
-        """{parameter name: {"exp_avg" | "exp_avg_sq": [(box view, local offsets)], "step": scalar}}:
-        this rank's part of each parameter's moments, as boxes of the parameter's local shape (views
-        into the shard state: loading into them fills it). `load_steps` takes the steps back."""
+        """{parameter name: {"exp_avg" | "exp_avg_sq" (| "master" in bf16 runs): [(box view, local
+        offsets)], "step": scalar}}: this rank's part of each parameter's moments (and fp32 master),
+        as boxes of the parameter's local shape (views into the shard state: loading into them fills
+        it). `load_steps` takes the steps back, `publish` the masters."""
         if not all(flat.shard in self.adam.state for flat in self.flats):
             self.reset_state()
         out: Dict[str, dict] = {}
@@ -245,12 +283,17 @@ class DistributedOptimizer:
             for name in flat.names:
                 self._steps[name] = st["step"].detach().reshape(()).float().clone()
                 out[name] = {"exp_avg": [], "exp_avg_sq": [], "step": self._steps[name]}
+                if flat.has_master:
+                    out[name]["master"] = []
+            tensors = {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+            if flat.has_master:
+                tensors["master"] = flat.shard.data
             for i, a, b in flat.pieces():
                 p, base = flat.params[i], flat.starts[i] - flat.lo
                 for offsets, sizes in flat_range_boxes(p.shape, a, b):
                     begin = base + _ravel(offsets, p.shape)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        view = st[key][begin: begin + math.prod(sizes)].view(sizes)
+                    for key, tensor in tensors.items():
+                        view = tensor[begin: begin + math.prod(sizes)].view(sizes)
                         out[flat.names[i]][key].append((view, offsets))
         return out
 
@@ -261,6 +304,16 @@ class DistributedOptimizer:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of optimizer state this rank holds (AdamW moments and steps)."""
+    """Bytes of optimizer state this rank holds (AdamW moments and steps; fp32 masters in bf16 runs)."""
     states = optimizer.state_tensors if isinstance(optimizer, DistributedOptimizer) else optimizer.state
-    return sum(t.numel() * t.element_size() for st in states.values() for t in st.values() if torch.is_tensor(t))
+    total = sum(t.numel() * t.element_size() for st in states.values() for t in st.values() if torch.is_tensor(t))
+    if isinstance(optimizer, DistributedOptimizer):
+        total += sum(f.shard.numel() * f.shard.element_size() for f in optimizer.flats if f.has_master)
+    return total
+
+
+@section_check("optimizer.distributed")
+def _check_distributed(cfg, world_size: int) -> None:
+    if cfg.optimizer.distributed and cfg.moe.balancer in ("flexmoe", "eplb"):
+        raise ConfigError(f"optimizer.distributed=true does not work with moe.balancer={cfg.moe.balancer}: its "
+                          "vExperts move AdamW state between ranks, which the distributed optimizer shards")

@@ -24,9 +24,11 @@ import sys
 from typing import Callable, List, Optional
 
 from megatron_moe.config import Config, ConfigError, load_config, parse_cli, validate_config
-from megatron_moe.config.validate import checkpoint_load_error, validate_data_config, validate_placement
+from megatron_moe.config.validate import validate_placement
+from megatron_moe.data.datasets import validate_data_config
 from megatron_moe.distributed import collectives, launch
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.training.checkpoint import checkpoint_load_error
 from megatron_moe.training.failures import NONFINITE_EXIT, CheckpointError, NonFiniteError
 from megatron_moe.training.trainer import Trainer
 

@@ -14,6 +14,9 @@ global-batch mean loss is the SUM over data-parallel ranks divided by dp_size:
   has a copy on the first and on the last stage, each holding part of its gradient: SUM over the
   ``embedding`` group as well (Megatron's embedding all-reduce), after the other buckets.
 
+In bf16 runs every gradient here is the parameter's fp32 `main_grad` (model/precision.py,
+`grad_of`): sums, norms and clipping run in fp32, as Megatron-LM's with its fp32 grad buffers.
+
 Gradients are flattened into buckets (same groups, scale, dtype, device; at most `bucket_bytes`)
 so there is one all-reduce per bucket and group, not one per parameter. With the distributed
 optimizer (`replicas=False`) the replica sum over dp / edp and the 1/dp_size are left to its
@@ -36,6 +39,7 @@ import torch
 
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.precision import grad_dtype, grad_of, has_main_grad
 
 BUCKET_BYTES = 32 << 20
 
@@ -48,11 +52,12 @@ REPLICA_GROUP = {"dense": "dp", "expert": "edp"}
 def _squared_norm(p: torch.nn.Parameter) -> torch.Tensor:
     """Squared norm of this rank's gradient of `p`; of a vExpert slot stack (moe/vexperts.py) only
     the slots that are their expert's first copy count (the others hold the same gradient)."""
-    squared = p.grad.float().pow(2)
+    grad = grad_of(p)
+    squared = grad.float().pow(2)
     slots = getattr(p, "vexpert_slots", None)
     if slots is None:
         return squared.sum()
-    return squared.flatten(1).sum(1)[slots.canonical_mask(slots.ep_rank).to(p.grad.device)].sum()
+    return squared.flatten(1).sum(1)[slots.canonical_mask(slots.ep_rank).to(grad.device)].sum()
 
 
 def counts_in_norm(p: torch.nn.Parameter) -> bool:
@@ -122,8 +127,9 @@ class GradSync:
             groups, scale = _sync_plan(p, state, replicas)
             if not groups and scale == 1.0:
                 continue
-            key = (groups, scale, p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
+            dtype = grad_dtype(p)  # fp32 main gradients of bf16 parameters
+            key = (groups, scale, dtype, p.device)
+            nbytes = p.numel() * dtype.itemsize
             bucket = open_buckets.get(key)
             if bucket is None or bucket.nbytes + nbytes > bucket_bytes:
                 bucket = open_buckets[key] = _Bucket([], groups, scale)
@@ -138,9 +144,10 @@ class GradSync:
             self.norm_keys.setdefault(key, []).append(p)
 
     def _fill_missing_grads(self) -> None:
-        """A param that took no part in this step (e.g. an expert no token chose) has grad zero."""
+        """A param that took no part in this step (e.g. an expert no token chose) has grad zero
+        (a main gradient, bf16 runs, always exists)."""
         for p in self.params:
-            if p.grad is None:
+            if p.grad is None and not has_main_grad(p):
                 p.grad = torch.zeros_like(p)
 
     @torch.no_grad()
@@ -148,7 +155,7 @@ class GradSync:
         """Average gradients over replicas (see module docstring)."""
         self._fill_missing_grads()
         for bucket in self.buckets:
-            grads = [p.grad for p in bucket.params]
+            grads = [grad_of(p) for p in bucket.params]
             if not bucket.groups:
                 torch._foreach_mul_(grads, bucket.scale)
                 continue
@@ -180,5 +187,5 @@ class GradSync:
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self.params], coef)
+                torch._foreach_mul_([grad_of(p) for p in self.params], coef)
         return norm

@@ -4,9 +4,15 @@ from __future__ import annotations
 import math
 
 from megatron_moe.config.schema import OptimizerConfig
-from megatron_moe.registry import Registry
+from megatron_moe.config.validate import section_check
+from megatron_moe.config.registry import Registry
 
 LR_SCHEDULES = Registry("optimizer.lr_schedule")
+
+
+@section_check("optimizer.lr_schedule")
+def _check_lr_schedule(cfg, world_size: int) -> None:
+    LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
 
 
 @LR_SCHEDULES.register("cosine")

@@ -9,6 +9,8 @@ Megatron-LM, which exempts only biases and norm parameters) decay; biases ("bias
 CUDA; ~8x faster than the per-tensor loop torch picks by default on CPU) is used when every
 parameter is a float tensor on one of those; otherwise torch's default implementation.
 `optimizer.distributed` shards the state over the replicas (training/distributed_optimizer.py).
+bf16 parameters (`training.precision: bf16`) get AdamW over fp32 master copies
+(training/mixed_precision.py).
 """
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ import torch
 
 from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.distributed.parallel_state import ParallelState
-
-DECAYED_ROLES = frozenset({"weight", "embedding"})
+from megatron_moe.training.distributed_optimizer import DECAYED_ROLES, DistributedOptimizer, fused_ok
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
@@ -32,19 +33,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def fused_ok(params) -> bool:
-    """Can torch's fused AdamW kernel take `params` (float tensors on CPU or CUDA)?"""
-    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-
-
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optional[ParallelState] = None):
     """AdamW over the model's parameters, or with `optimizer.distributed` over this rank's ZeRO-1
     shards of them (training/distributed_optimizer.py; needs `state`)."""
     if cfg.distributed:
-        from megatron_moe.training.distributed_optimizer import DistributedOptimizer
-
         return DistributedOptimizer(model, cfg, state or ParallelState.single_process())
     params = [p for p in model.parameters() if p.requires_grad]
+    if any(p.dtype != torch.float32 for p in params):  # bf16 parameters: fp32 masters (training/mixed_precision.py)
+        from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
+
+        return MixedPrecisionAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused_ok(params))
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=True if fused_ok(params) else None)

@@ -14,6 +14,7 @@ point between neighbouring stages (`collectives.p2p_exchange`, byte kind `pipeli
   objective exactly once.
 * Backward: autograd from the chunk's output (with the gradient received from the next stage) and
   its objective; the gradient of its input goes to the previous stage.
+* Activations and their gradients travel in the parameters' dtype: bf16 with `training.precision=bf16`.
 
 With one stage the 1F1B program is forward j, backward j for j = 0..m-1: the plain
 gradient-accumulation loop. `busy` / `wall` of the last `run` give the bubble (the trainer
@@ -30,6 +31,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.precision import param_dtype
 from megatron_moe.perf import timing
 from megatron_moe.perf.timing import Duration
 from megatron_moe.training.pipeline_schedules import PIPELINE_SCHEDULES, Exchange, Step, forward_only
@@ -52,6 +54,7 @@ class PipelineRunner:
         par, tr, m = cfg.parallel, cfg.training, cfg.model
         self.state, self.device, self.timer = state, device, timer
         self.shape = (tr.micro_batch_size, m.seq_length, m.hidden_size)  # hidden states between stages
+        self.dtype = param_dtype(tr.precision)  # bf16 runs send bf16 activations and gradients
         micro_batches = tr.global_batch_size // (tr.micro_batch_size * state.dp_size)
         stage = state.pp.rank
         self.train_program = PIPELINE_SCHEDULES.get(par.pipeline_schedule)(
@@ -77,16 +80,16 @@ class PipelineRunner:
         if step.send_forward is not None:
             out = outputs[step.send_forward] if training else outputs.pop(step.send_forward)
             hidden = out.hidden.detach()
-            if hidden.shape != self.shape or hidden.dtype != torch.float32:
+            if hidden.shape != self.shape or hidden.dtype != self.dtype:
                 raise RuntimeError(f"pipeline: a stage sends {tuple(hidden.shape)} {hidden.dtype}, the next expects "
-                                   f"{self.shape} float32")
+                                   f"{self.shape} {self.dtype}")
             sends.append((nxt, hidden, FORWARD_TAG))
         if step.send_backward is not None:
             sends.append((prev, input_grads.pop(step.send_backward), BACKWARD_TAG))
         for key, store, peer, tag in ((step.recv_forward, inputs, prev, FORWARD_TAG),
                                       (step.recv_backward, output_grads, nxt, BACKWARD_TAG)):
             if key is not None:
-                store[key] = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+                store[key] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 recvs.append((peer, store[key], tag))
                 keys.append((tag, key))
         pending = collectives.p2p_exchange(sends, recvs, pp, kind=KIND)

@@ -18,7 +18,7 @@ sends and receives, posted together as `batch_isend_irecv`). Model chunk k = vir
   Needs m divisible by p (Megatron's rule).
 
 Programs are pure data: `simulate` runs every stage's program against the others' (unit compute
-times, or any per-step times and message costs: the cluster simulator's, sim/pipeline.py), checks
+times, or any per-step times and message costs: the cluster simulator's, sim/stages.py), checks
 that every message is sent after it is computed, received by the step that expects exactly that
 (chunk, micro-batch) in the same order on both sides (NCCL matches point-to-point messages by order,
 not by tag) and that a stage's exchange batches, completed in order as on one
@@ -30,7 +30,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron_moe.registry import Registry
+from megatron_moe.config.registry import Registry
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import micro_batches as config_micro_batches, section_check
 
 PIPELINE_SCHEDULES = Registry("parallel.pipeline_schedule")
 
@@ -330,3 +332,34 @@ def simulate(progs: List[List[Step]], virtual: int, forward_time: Union[float, S
     finish = [max([clock[s]] + [b.done_at for b in batches[s]]) for s in range(p)]
     makespan = max(finish)
     return Simulation(makespan, busy, [1.0 - b / makespan if makespan else 0.0 for b in busy], finish)
+
+
+@section_check("parallel.pipeline_schedule")
+def _check_pipeline(cfg, world_size: int) -> None:
+    """Pipeline stages (training/pipeline.py, model/pipeline_stages.py)."""
+    par, layers = cfg.parallel, cfg.model.num_layers
+    micro_batches = config_micro_batches(cfg, world_size)  # per data-parallel rank and iteration
+    PIPELINE_SCHEDULES.get(par.pipeline_schedule)
+    if par.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} must be >= 1")
+    if par.pipeline_schedule == "interleaved":
+        if par.virtual_stages < 2 or par.pipeline < 2:
+            raise ConfigError(f"parallel.pipeline_schedule=interleaved needs parallel.pipeline >= 2 and "
+                              f"parallel.virtual_stages >= 2 (got {par.pipeline} and {par.virtual_stages})")
+        if micro_batches % par.pipeline:
+            raise ConfigError(f"parallel.pipeline_schedule=interleaved needs the {micro_batches} micro-batches per "
+                              f"data-parallel rank (training.global_batch_size / (training.micro_batch_size * "
+                              f"data parallel)) to be divisible by parallel.pipeline={par.pipeline}")
+    elif par.virtual_stages != 1:
+        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pipeline_schedule=interleaved "
+                          f"(parallel.pipeline_schedule={par.pipeline_schedule} runs one model chunk per stage)")
+    chunks = par.pipeline * par.virtual_stages
+    if par.pipeline_layers is None:
+        if layers % chunks:
+            raise ConfigError(f"model.num_layers={layers} is not divisible by parallel.pipeline*parallel.virtual_stages"
+                              f"={par.pipeline}*{par.virtual_stages}; set parallel.pipeline_layers for an uneven split")
+    else:
+        split = list(par.pipeline_layers)
+        if len(split) != chunks or any(n < 1 for n in split) or sum(split) != layers:
+            raise ConfigError(f"parallel.pipeline_layers={split} must have parallel.pipeline*parallel.virtual_stages="
+                              f"{chunks} entries, each >= 1, summing to model.num_layers={layers}")

@@ -17,12 +17,13 @@ stage the lm and binary losses, every stage its MoE aux losses), summed over ``p
 the schedule is the plain loop: forward j, backward j. `optimizer.distributed` shards AdamW's state
 (training/distributed_optimizer.py); it then syncs and clips the gradients itself.
 
-Precision: fp32, or bf16 autocast around the forward with fp32 master weights (parameters,
-gradients and optimizer state stay fp32).
+Precision (docs/precision.md): fp32, or bf16 as Megatron-LM's `--bf16`: bf16 parameters and
+activations (model/precision.py), fp32 main gradients accumulated over the micro-batches, AdamW on
+fp32 master weights copied back into the bf16 parameters once per step (training/mixed_precision.py,
+or sharded with the moments under `optimizer.distributed`).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import resource
@@ -48,6 +49,7 @@ from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, lay
 from megatron_moe.training.optimizer import build_optimizer
 from megatron_moe.training.pipeline import ChunkOutput, PipelineRunner
 from megatron_moe.training.pipeline_schedules import expected_bubble
+from megatron_moe.model.precision import cast_params_
 from megatron_moe.model.transformer import is_moe_layer
 from megatron_moe.perf import timing
 from megatron_moe.perf.calibrate import resolve_hardware_profile
@@ -76,7 +78,7 @@ class Trainer:
         cfg = resolve_hardware_profile(cfg, state, self.device)
         self.cfg, self.state = cfg, state
         torch.manual_seed(tr.seed + state.dp.rank)  # same stream on TP ranks, distinct per data replica
-        self.model = model_cls(cfg, state).to(self.device)
+        self.model = cast_params_(model_cls(cfg, state).to(self.device), tr.precision)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, state)
         self.lr_schedule = LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
         if isinstance(self.optimizer, DistributedOptimizer):
@@ -97,8 +99,6 @@ class Trainer:
         self.routed_per_forward = None  # Long[dp, F, moe layers, E] of the last iteration (routing traces)
         self.vexpert_slots = None  # per MoE layer (index, Int[ep, V]): the vExpert placement after the last iteration
         self.latest_moe = None  # IterationMoEStats of the last train_step (step_details reduces it)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                         if tr.precision == "bf16" else contextlib.nullcontext())
 
     # -- data ---------------------------------------------------------------------------------
     def micro_batches(self, dataset, index: int) -> List[Batch]:
@@ -129,8 +129,7 @@ class Trainer:
         zero = torch.zeros((), device=self.device)
 
         def forward_step(chunk: int, mb: int, hidden: Optional[torch.Tensor]) -> ChunkOutput:
-            with self.autocast:
-                out = self.model(**batches[mb], chunk=chunk, hidden=hidden)
+            out = self.model(**batches[mb], chunk=chunk, hidden=hidden)
             stats.setdefault(mb, []).extend(out.moe_stats)
             if out.hidden is not None:  # a chunk before the model's last: its aux losses only
                 sums[1] += out.aux_loss.detach().float()
@@ -297,8 +296,7 @@ class Trainer:
             batches = self.micro_batches(self.valid_data, index)
 
             def forward_step(chunk: int, mb: int, hidden: Optional[torch.Tensor]) -> ChunkOutput:
-                with self.autocast:
-                    out = self.model(**batches[mb], chunk=chunk, hidden=hidden)
+                out = self.model(**batches[mb], chunk=chunk, hidden=hidden)
                 if out.hidden is None:
                     total.add_(out.lm_loss.float())
                 return ChunkOutput(out.hidden, None)

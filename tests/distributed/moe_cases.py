@@ -16,7 +16,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from megatron_moe.moe import lancet
+from megatron_moe.techniques.lancet import lancet
 from megatron_moe.moe.layer import MoELayer
 from tests.distributed.harness import device
 from tests.moe_reference import load_full_weights_, random_full_weights, reference_moe

@@ -1,9 +1,9 @@
 """Lancet == the single-process reference, dropless and with capacity drops.
 
-1. Deferred weight gradients (moe/lancet.py, `moe.lancet.defer_wgrad`) under every schedule, at
+1. Deferred weight gradients (techniques/lancet/lancet.py, `moe.lancet.defer_wgrad`) under every schedule, at
    the MoE layer: the experts' w1 / w2 gradients are computed while the backward all-to-alls are in
    flight (or at the end of backward) and must equal the plain run's.
-2. The partitioned forward (moe/lancet_partition.py, `moe.lancet.partitions` 2 and 4, with and
+2. The partitioned forward (techniques/lancet/lancet_partition.py, `moe.lancet.partitions` 2 and 4, with and
    without `defer_wgrad`), on the whole GPT-MoE model through the trainer: loss, aux loss, grad
    norm and every synced gradient equal one process running the unpartitioned model.
 3. `defer_wgrad` without `perf.hardware_profile` (a GPTMoEModel built directly): calibration gives

@@ -2,10 +2,10 @@
 a sequential implementation too, so these record, on 2 ranks (expert=2), when transfers are posted
 relative to the computation they should overlap.
 
-* FasterMoE's smart schedule (moe/schedules/smart.py): step j+1's sends are posted before step j's
+* FasterMoE's smart schedule (techniques/fastermoe/smart.py): step j+1's sends are posted before step j's
   expert computation ends (forward, S_j+1 before C_j ends) and step j+1's output gradients before
   step j's expert backward runs; under `torch.no_grad` the steps build no autograd graph.
-* Pro-Prophet's block-wise scheduler (moe/cross_layer.py, Alg. 2): with a plan and replicas to
+* Pro-Prophet's block-wise scheduler (techniques/proprophet/cross_layer.py, Alg. 2): with a plan and replicas to
   fetch, SubTrans1 of layer 2 is issued before layer 1's expert computation and SubTrans2 before
   layer 2's; without `overlap` nothing is issued early. Both runs compute the same numbers.
 
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from megatron_moe.distributed import collectives as C
-from megatron_moe.moe import cross_layer
+from megatron_moe.techniques.proprophet import cross_layer
+from megatron_moe.model.transformer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
-from megatron_moe.moe.schedules.smart import SMART_KIND
+from megatron_moe.techniques.fastermoe.smart import SMART_KIND
 from tests.distributed.harness import BACKENDS, device, run_distributed
 from tests.distributed.moe_cases import FP32, case_data
 from tests.moe_reference import load_full_weights_, random_full_weights
@@ -81,7 +82,7 @@ def _prefetch(state, overlap: bool) -> dict:
     cfg.moe.balancer, cfg.perf.hardware_profile = "proprophet", PROFILE
     cfg.moe.proprophet.min_replicas, cfg.moe.proprophet.overlap = 1, overlap
     layers = [_layer(cfg, state, i, random_full_weights(cfg, seed=10 + i)) for i in range(2)]
-    cross_layer.link_moe_layers(layers)
+    link_moe_layers(layers)
     log = []
     for i, layer in enumerate(layers):
         _record_experts(layer, log, f"L{i}")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_moe.distributed import collectives as C
-from megatron_moe.moe.lancet import WGradScheduler
+from megatron_moe.techniques.lancet.lancet import WGradScheduler
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_grads import _model_config

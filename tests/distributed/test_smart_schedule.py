@@ -1,4 +1,4 @@
-"""FasterMoE's smart schedule (moe/schedules/smart.py) == the single-process reference, with every
+"""FasterMoE's smart schedule (techniques/fastermoe/smart.py) == the single-process reference, with every
 schedule it composes with, with and without replicas, dropless and with capacity drops.
 
 The pairwise steps replace each schedule's all-to-all pair: no all-to-all bytes remain, and the

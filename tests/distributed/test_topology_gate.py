@@ -1,4 +1,4 @@
-"""The topology-aware gate (moe/topology_gate.py) on simulated nodes (`ranks_per_node`): every
+"""The topology-aware gate (techniques/fastermoe/topology_gate.py) on simulated nodes (`ranks_per_node`): every
 schedule it works with gives the single-process reference of the same gate (outputs, aux loss,
 all gradients; dropless and capacity), and it sends fewer bytes across nodes than softmax top-k."""
 import math

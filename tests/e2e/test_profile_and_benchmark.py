@@ -174,6 +174,23 @@ def test_train_throughput_runs_the_same_model_as_hugging_face():
     assert machine["cuda_device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 
+def test_train_throughput_bf16_sides():
+    """--precision bf16 (issue #29): ours bf16 and fp32, HF fp32, autocast and bf16, all from the
+    same weights (first-step losses agree to bf16 rounding), the ratios and a peak per side."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "model.num_layers=1", "model.seq_length=32",
+                           "training.micro_batch_size=2", "--steps", "1", "--warmup", "0", "--precision", "bf16",
+                           "--no-compile"], capture_output=True, text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    sides = {"ours", "hf", "ours_fp32", "hf_autocast", "hf_bf16"}
+    assert set(out["step_ms"]) == set(out["peak_mb"]) == sides and min(out["peak_mb"].values()) > 0
+    first = out["first_step_lm_loss"]
+    assert all(abs(first[s] - first["ours_fp32"]) < 2e-2 * first["ours_fp32"] for s in sides)  # a few bf16 ulps
+    assert out["ours_vs_ours_fp32"] > 0 and out["ours_vs_best_hf_bf16"] > 0 and out["peak_vs_fp32"] > 0
+    assert out["matmul_floor_ms"] > 0 and "training.precision=bf16" in out["config"]["overrides"]
+
+
 def test_recompute_benchmark_keeps_the_loss(one_thread):
     """benchmarks/recompute.py (issue #16): each level's step (run here in this process: the
     benchmark gives each its own process only so that peaks do not mix) has the plain step's loss

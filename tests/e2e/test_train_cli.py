@@ -123,7 +123,7 @@ def reference_gpu(tmp_path_factory):
     (4, ["parallel.expert=2"]),  # data parallel 4, expert data parallel 2
     (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_shard=2"]),
     (8, ["parallel.expert=4", "parallel.expert_shard=2"]),
-    # Parm schedules (moe/schedules/parm.py)
+    # Parm schedules (techniques/parm/parm.py)
     (2, ["parallel.tensor=2", "moe.schedule=s1", "training.compile=true"]),  # + TorchInductor (model/compile.py)
     # (s2 + SAA end to end: tests/e2e/test_vexperts.py, tp2-ep2-esp2, 20 iterations)
     (4, ["parallel.tensor=2", "parallel.expert=2", "moe.schedule=auto", "moe.saa=true",
@@ -200,7 +200,7 @@ def test_bf16_tracks_fp32(tmp_path, backend):
     for curve in (fp32, bf16):
         assert sum(curve[-5:]) / 5 < sum(curve[:3]) / 3 - 0.3, curve
     gaps = [abs(b - f) / f for f, b in zip(fp32, bf16)]
-    assert 0 < max(gaps) < BF16_BOUND, (fp32, bf16)  # 0: autocast was off, the run was fp32
+    assert 0 < max(gaps) < BF16_BOUND, (fp32, bf16)  # 0: the bf16 run was fp32
     # the bound tells runs apart: fp32's curve one iteration ahead (a run learning a step faster or
     # slower) is off by 1.9e-2 to 2.8e-2 (measured), far outside it
     assert max(abs(ahead - f) / f for f, ahead in zip(fp32, fp32[1:])) > 2 * BF16_BOUND, fp32

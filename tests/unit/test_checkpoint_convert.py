@@ -53,6 +53,23 @@ def test_export_hf_matches_transformers_and_round_trips(mixtral_ckpt, tmp_path):
         assert torch.equal(load_model(str(tmp_path / "imported"))(TOKENS), ours(TOKENS))
 
 
+def test_export_hf_writes_the_dtype_asked_for(mixtral_ckpt, tmp_path):
+    """`export-hf --precision bf16`: bf16 tensors, the fp32 checkpoint's weights rounded once, and
+    config.json saying so; fp32 stays the default of an fp32 run."""
+    from safetensors.torch import load_file
+
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export-hf", "--input", mixtral_ckpt,
+                           "--output", str(tmp_path / "bf16"), "--precision", "bf16"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    offline.export_hf(mixtral_ckpt, str(tmp_path / "fp32"))
+    bf16, fp32 = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("bf16", "fp32"))
+    assert {t.dtype for t in bf16.values()} == {torch.bfloat16} and {t.dtype for t in fp32.values()} == {torch.float32}
+    assert all(torch.equal(bf16[k], fp32[k].bfloat16()) for k in fp32)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["torch_dtype"] == "float32"
+
+
 def test_export_hf_refuses_non_mixtral_naming_the_option(tmp_path):
     train(tmp_path, ["training.train_iters=1", "checkpoint.save_interval=1"])  # gpt_moe_tiny: layernorm, gelu, ...
     proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export-hf", "--input",

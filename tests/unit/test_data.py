@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_moe.config import ConfigError, load_config
-from megatron_moe.config.validate import validate_data_config
+from megatron_moe.data.datasets import validate_data_config
 from megatron_moe.data.batches import collate, global_batch, rank_micro_batches
 from megatron_moe.data.datasets import build_gpt_datasets_from_config
 from megatron_moe.data.indexed import IndexedDatasetBuilder

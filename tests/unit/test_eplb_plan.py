@@ -1,4 +1,4 @@
-"""DeepSeek EPLB planning (moe/balancers/eplb_plan.py): hand-worked examples, invariants and the max
+"""DeepSeek EPLB planning (techniques/eplb/eplb_plan.py): hand-worked examples, invariants and the max
 rank load of `rebalance` against a brute-force optimum over all placements of small cases."""
 import itertools
 import statistics
@@ -6,7 +6,7 @@ import statistics
 import numpy as np
 import pytest
 
-from megatron_moe.moe.balancers.eplb_plan import (balance_ratio, balanced_packing, max_rank_load, rank_loads,
+from megatron_moe.techniques.eplb.eplb_plan import (balance_ratio, balanced_packing, max_rank_load, rank_loads,
                                                   rebalance, replicate_experts)
 
 

@@ -1,22 +1,22 @@
 """FasterMoE's shadowing decision (Alg. 1, Eq. 7-10) on worked examples and against a brute-force
-search over all shadow sets (moe/balancers/fastermoe.py, perf/fastermoe_model.py)."""
+search over all shadow sets (techniques/fastermoe/fastermoe.py, techniques/fastermoe/fastermoe_model.py)."""
 import itertools
 import statistics
 
 import pytest
 import torch
 
-from megatron_moe.moe.balancers.fastermoe import rows_per_rank, select_shadow_experts, shadow_loads
+from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank, select_shadow_experts, shadow_loads
 from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.alpha_beta import AlphaBeta
-from megatron_moe.perf.fastermoe_model import ShadowCostModel
+from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
 from megatron_moe.perf.hardware import HardwareProfile
 
 # the paper's GeLU MLP, alpha = 2, H = 4: F = 4 alpha H^2 = 128 FLOPs per row, Q = 2 alpha H^2 = 64;
 # 0.1 ms per FLOP, 1 ms per element sent: Lat_imbl(B) = 3*128*1e-4 B + 4*4*1e-3 B = 0.0544 B and
-# Lat_shadow(r, B') = 0.0544 B' + 0.128 r (token term kept, the default)
+# Lat_shadow(r, B') = 0.0544 B' + 0.128 r (token term kept: moe.fastermoe.eq8=token_term)
 MODEL = ShadowCostModel(flops_per_row=128, params_per_expert=64, hidden=4, seconds_per_flop=1e-4,
-                        seconds_per_token_element=1e-3, seconds_per_param_element=1e-3)
+                        seconds_per_token_element=1e-3, seconds_per_param_element=1e-3, eq8="token_term")
 
 
 def _cost(T, shadowed, model=MODEL):
@@ -51,12 +51,12 @@ def test_balanced_load_shadows_nothing_and_min_shadow_forces():
 
 def test_the_printed_eq8_counts_the_remaining_token_traffic_as_saved():
     """Shadowing the popular expert 1 trims the busiest rank's load only from 22 to 20 rows. The
-    paper's Eq. 8 drops the token term, so it books all of Eq. 7's all-to-all time as saved and
-    shadows; with the token term (default) the 2 rows saved do not pay for moving the weights."""
+    paper's Eq. 8 (the default) drops the token term, so it books all of Eq. 7's all-to-all time as
+    saved and shadows; with the token term (eq8=token_term) the 2 rows saved do not pay for moving the weights."""
     T = torch.tensor([[5, 2], [5, 20]])  # EP ranks 0, 1; expert 1 lives on EP rank 1
     assert shadow_loads(T, []).tolist() == [10, 22] and shadow_loads(T, [1]).tolist() == [12, 20]
     assert select_shadow_experts(T, MODEL) == []  # 0.0544 * 20 + 0.128 > 0.0544 * 22
-    paper = ShadowCostModel(128, 64, 4, 1e-4, 1e-3, 1e-3, token_term=False)
+    paper = ShadowCostModel(128, 64, 4, 1e-4, 1e-3, 1e-3, eq8="printed")
     assert select_shadow_experts(T, paper) == [1]  # 0.0384 * 20 + 0.128 < 0.0544 * 22
 
 
@@ -77,7 +77,7 @@ def test_eq9_eq10_decide_the_first_shadow():
     P / W_net) holds, i.e. Lat_shadow(1) < Lat_imbl."""
     P_over_W = 1.0  # same per-FLOP and per-element seconds
     for q in (16.0, 64.0, 256.0, 1024.0):
-        model = ShadowCostModel(128, q, 4, 1e-3, 1e-3, 1e-3, token_term=False)  # the paper's Eq. 8
+        model = ShadowCostModel(128, q, 4, 1e-3, 1e-3, 1e-3, eq8="printed")  # the paper's Eq. 8
         for T in (torch.tensor([[1, 6, 1], [1, 6, 1], [1, 6, 1]]), torch.tensor([[5, 2], [5, 20]]),
                   torch.tensor([[2, 30], [2, 1]])):
             b_max = float(shadow_loads(T, []).max())
@@ -101,7 +101,8 @@ def test_against_brute_force_on_random_small_layers():
         ep = (2, 3, 4)[trial % 3]
         T = torch.randint(0, 50, (ep, ep * (1 + trial % 2)), generator=gen)
         T[:, int(torch.randint(0, T.shape[1], (1,), generator=gen))] *= int(torch.randint(1, 8, (1,), generator=gen))
-        model = ShadowCostModel(128, float(torch.randint(10, 400, (1,), generator=gen)), 4, 1e-3, 1e-3, 1e-3)
+        model = ShadowCostModel(128, float(torch.randint(10, 400, (1,), generator=gen)), 4, 1e-3, 1e-3, 1e-3,
+                                "token_term")
         chosen = _cost(T, select_shadow_experts(T, model), model)
         assert chosen <= _cost(T, [], model) + 1e-12
         gaps.append(chosen / _brute_force(T, model)[0])
@@ -125,7 +126,12 @@ def test_cost_model_reads_the_profile():
     profile = HardwareProfile("p", p2p=ab(1e-5, 2e-9), broadcast=ab(1e-5, 3e-9), expert_compute=ab(1e-4, 5e-12))
     model = ShadowCostModel.from_profile(profile, flops_per_row=100.0, params_per_expert=10.0, hidden=8)
     assert model.lat_imbl(10) == pytest.approx(3 * 100 * 10 * 5e-12 + 4 * 10 * 8 * 2e-9)
-    assert model.lat_shadow(2, 10) == pytest.approx(model.lat_imbl(10) + 2 * 2 * 10 * 3e-9)
+    compute = 3 * 100 * 10 * 5e-12
+    assert model.lat_shadow(2, 10) == pytest.approx(compute + 2 * 2 * 10 * 3e-9)  # Eq. 8 as printed (default)
+    kept = ShadowCostModel.from_profile(profile, flops_per_row=100.0, params_per_expert=10.0, hidden=8, eq8="token_term")
+    assert kept.lat_shadow(2, 10) == pytest.approx(model.lat_imbl(10) + 2 * 2 * 10 * 3e-9)
+    release = ShadowCostModel.from_profile(profile, flops_per_row=100.0, params_per_expert=10.0, hidden=8, eq8="fastmoe")
+    assert release.lat_shadow(2, 10) == pytest.approx(model.lat_imbl(10) + 2 * 10 * 3e-9)  # one send per shadow
     with pytest.raises(Exception, match="moe.balancer=fastermoe needs broadcast, expert_compute"):
         ShadowCostModel.from_profile(HardwareProfile("q", p2p=ab(0, 1)), 1.0, 1.0, 1)
 
@@ -144,7 +150,19 @@ def test_incremental_loads_choose_what_the_loads_from_scratch_choose():
         if trial % 4 == 0:
             T = T // 5  # small counts: many equal totals
         q = float(torch.randint(1, 200, (1,), generator=gen))
-        model = ShadowCostModel(128, q, 4, 1e-4, 1e-3, 1e-3, token_term=bool(trial % 2))
+        model = ShadowCostModel(128, q, 4, 1e-4, 1e-3, 1e-3, eq8=("printed", "token_term")[trial % 2])
         for min_shadow in (0, 2):
             assert select_shadow_experts(T, model, min_shadow) == reference_shadow_experts(T, model, min_shadow), \
                 (T.tolist(), q, min_shadow)
+
+
+def test_fastmoe_release_walks_expert_counts():
+    """FastMoE's release (eq8=fastmoe): Eq. 7 at the largest expert's total rows (24), then, for
+    shadowing the first i + 1, at the (i+1)-th largest plus i + 1 sends of 64 parameters:
+    0.0544 x 24 = 1.306; shadow expert 1: 0.0544 x 10 + 0.064 = 0.608; shadow 1 and 0: 0.0544 x 3
+    + 0.128 = 0.291; then 0.0544 x 2 + 0.192 = 0.301 does not gain."""
+    from megatron_moe.techniques.fastermoe.fastermoe import fastmoe_release_shadow
+    release = ShadowCostModel(128, 64, 4, 1e-4, 1e-3, 1e-3, eq8="fastmoe")
+    T = torch.tensor([[5, 12, 1, 1], [5, 12, 2, 1]])  # totals [10, 24, 3, 2]
+    assert fastmoe_release_shadow(T, release) == [0, 1]
+    assert fastmoe_release_shadow(T, release, min_shadow=3) == [0, 1, 2]

@@ -1,9 +1,9 @@
-"""FlexMoE planning (moe/balancers/flexmoe_plan.py): Eq. 6, Alg. 3 routing, the Eq. 5-9 cost
+"""FlexMoE planning (techniques/flexmoe/flexmoe_plan.py): Eq. 6, Alg. 3 routing, the Eq. 5-9 cost
 model, the Alg. 2 policy maker and Alg. 1 scheduler on worked examples, and placement invariants."""
 import numpy as np
 import pytest
 
-from megatron_moe.moe.balancers.flexmoe_plan import (Expand, FlexCostModel, Migrate, Shrink, apply_ops,
+from megatron_moe.techniques.flexmoe.flexmoe_plan import (Expand, FlexCostModel, Migrate, Shrink, apply_ops,
                                                      balance_ratio, flexible_routing, make_scheduling_plan,
                                                      propose_migration, rank_tokens, schedule, vexpert_counts)
 from tests.dense_reference import dense_flexible_routing, dense_rank_times, scatter_pairs

@@ -15,7 +15,8 @@ import torch
 from megatron_moe import load_model
 from megatron_moe.config import load_config
 from megatron_moe.convert import offline
-from megatron_moe.convert.hf_common import INDEX, family_of
+from megatron_moe.convert.hf_common import INDEX
+from megatron_moe.convert.hf_families import family_of
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.distributed.parallel_state import ParallelState
 

@@ -1,4 +1,4 @@
-"""Lancet's weight-gradient scheduling (moe/lancet.py): the deferred linear and grouped GEMM give
+"""Lancet's weight-gradient scheduling (techniques/lancet/lancet.py): the deferred linear and grouped GEMM give
 autograd's gradients, and `WGradScheduler.fill` is Alg. 1's greedy (best match to the remaining
 all-to-all time first, until it is covered), with the rest run when backward ends."""
 import itertools
@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from megatron_moe.config import ConfigError, load_config, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.precision import MainGrads
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad
-from megatron_moe.moe.lancet import WGradScheduler, deferred_linear
-from megatron_moe.moe.lancet_partition import ForwardPartitioner
+from megatron_moe.techniques.lancet.lancet import WGradScheduler, deferred_linear
+from megatron_moe.techniques.lancet.lancet_partition import ForwardPartitioner
 from megatron_moe.perf.alpha_beta import AlphaBeta
-from megatron_moe.perf.lancet_partition import (Instruction, MoECost, best_partitioning, fixed_partitioning,
+from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, best_partitioning, fixed_partitioning,
                                                 pipeline_time, segment_time)
 from tests.lancet_times import measure_injected
 from tests.tiny_model import assert_same_steps, tiny_model_steps
@@ -148,13 +149,32 @@ def test_seconds_per_flop_is_measured():
     assert scheduler.seconds_per_flop < 0.8  # moved toward the (tiny) measured time
 
 
-def test_defer_wgrad_with_bf16_is_refused():
-    cfg = load_config("configs/gpt_moe_tiny.yaml", ["moe.lancet.defer_wgrad=true", "training.precision=bf16"])
-    with pytest.raises(ConfigError, match="moe.lancet.defer_wgrad.*training.precision"):
-        validate_config(cfg, 1)
+def test_deferred_wgrad_in_bf16_goes_into_the_fp32_main_grad():
+    """bf16 parameters with fp32 main gradients (model/precision.py): the deferred dW of a linear
+    and of a grouped GEMM land in `main_grad`, added to what was there (gradient accumulation),
+    and nothing stays in the bf16 `.grad`. Reference: the same bf16 values in fp32; the bf16 GEMM
+    rounds its product once (unit roundoff 2^-8 = 3.9e-3 relative), hence rtol 1e-2."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(6, 5, generator=gen).bfloat16())
+    leaf = torch.nn.Parameter(torch.randn(2, 6, 3, generator=gen).bfloat16())
+    MainGrads([weight, leaf])
+    weight.main_grad.fill_(1.0)  # an earlier micro-batch's gradient
+    x = torch.randn(7, 5, generator=gen).bfloat16()
+    up = torch.randn(7, 3, generator=gen).bfloat16()
+    scheduler = WGradScheduler(NO_A2A)
+    y = grouped_mm_into_grad(deferred_linear(x, weight, None, scheduler), leaf, None, 0.5, [4, 3], scheduler)
+    (y.float() * up.float()).sum().backward()
+    assert weight.grad is None and leaf.grad is None and not scheduler.pending
+    w32, l32 = weight.detach().float().requires_grad_(True), leaf.detach().float().requires_grad_(True)
+    h = F.linear(x.float(), w32).bfloat16().float()  # the bf16 run's activation, rounded
+    loss = (torch.cat([h[:4] @ l32[0], h[4:] @ l32[1]]) * up.float()).sum()
+    gw, gl = torch.autograd.grad(loss, [w32, l32])
+    assert weight.main_grad.dtype == leaf.main_grad.dtype == torch.float32
+    torch.testing.assert_close(weight.main_grad, 1.0 + gw, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(leaf.main_grad, 0.5 * gl, rtol=1e-2, atol=1e-2)
 
 
-# -- §5: the partitioned forward (moe/lancet_partition.py, perf/lancet_partition.py) -------------
+# -- §5: the partitioned forward (techniques/lancet/lancet_partition.py, techniques/lancet/lancet_partition_model.py) -------------
 
 def _instructions(rng, n_ops, max_parts, moe_every):
     """Random sublayer times; every `moe_every`-th op is an MoE FFN with random all-to-alls."""

@@ -11,7 +11,7 @@ from megatron_moe.config import ConfigError, load_config, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
 from megatron_moe.perf.hardware import HardwareProfile, load_profile, save_profile
-from megatron_moe.perf.parm_model import (capacity_assignments, choose_schedule, dispatched_assignments,
+from megatron_moe.techniques.parm.parm_model import (capacity_assignments, choose_schedule, dispatched_assignments,
                                           schedule_times)
 from tests.distributed.moe_cases import CASES, case_data, check_against_reference, run_layer
 # GRID: Parm Table III (P only sizes the groups the profile was measured on; E cancels in E T = k f B L)
@@ -258,7 +258,7 @@ def test_auto_chooses_from_the_balancers_placement(tmp_path):
     """Alg. 1's E T comes from the rows the balancer's Placement gives each EP rank (route -> plan
     -> choose), one plan per candidate with that candidate's per-source counts."""
     from megatron_moe.moe.router import Router
-    from megatron_moe.moe.schedules.parm import Auto, AutoRouted
+    from megatron_moe.techniques.parm.parm import Auto, AutoRouted
 
     layout = RankLayout(world_size=4, tensor=2, expert=2)
     state = ParallelState.build(layout, rank=0)  # no process group: tp/ep_esp sizes only

@@ -1,13 +1,13 @@
-"""Pro-Prophet's planner (moe/balancers/proprophet.py) and cost model (perf/proprophet_model.py):
+"""Pro-Prophet's planner (techniques/proprophet/proprophet.py) and cost model (techniques/proprophet/proprophet_model.py):
 water-filling, Replace_Inputs, Alg. 1 on worked examples (the paper's Fig. 6), the Placement it
 becomes, and plan quality against a brute-force search over lightweight placements."""
 import numpy as np
 import pytest
 import torch
 
-from megatron_moe.moe.balancers.proprophet import (Loads, devices_for, greedy_search, lightweight_placement,
+from megatron_moe.techniques.proprophet.proprophet import (Loads, devices_for, greedy_search, lightweight_placement,
                                                    ratios_to_optimum, water_fill)
-from megatron_moe.perf.proprophet_model import ProphetCostModel
+from megatron_moe.techniques.proprophet.proprophet_model import ProphetCostModel
 
 # 1 s per row computed, 0.1 s per element moved, rows of 1 element, experts of 1 element: a
 # replica costs little, so balancing pays (Eq. 6 by hand below)
@@ -121,10 +121,10 @@ def test_plan_quality_against_brute_force():
 
 
 def test_split_trans_takes_the_longest_prefix_that_fits_t_fec():
-    """Alg. 2 line 7 (moe/cross_layer.py): SubTrans1 takes the replicated experts, in order, whose
+    """Alg. 2 line 7 (techniques/proprophet/cross_layer.py): SubTrans1 takes the replicated experts, in order, whose
     Eq. 4 times add up to at most the block before's T_FEC; SubTrans2 the rest. Here an expert
     moved to k replicas costs k x 1 element x 0.5 s / 2 devices = 0.25 k s (exact in binary)."""
-    from megatron_moe.moe.cross_layer import split_trans
+    from megatron_moe.techniques.proprophet.cross_layer import split_trans
 
     model = ProphetCostModel(row_elements=1, params_per_expert=1.0, seconds_per_row=1.0, seconds_per_element=0.5,
                              fnec_seconds=0.0)
@@ -139,3 +139,19 @@ def test_split_trans_takes_the_longest_prefix_that_fits_t_fec():
     assert split_trans([], model, 2, 1.0) == 0
     # the cut is a prefix: a later, cheaper expert does not jump ahead of an expensive one
     assert split_trans([(1, (0, 1, 2, 3)), (4, (1, 0))], model, 2, 0.5) == 0
+
+
+def test_local_rows_keep_every_replicas_own_rows():
+    """`moe.proprophet.rows: local` (§4.2): a device with a replica of e computes exactly its own
+    sources' rows of e and receives none; the owner computes the rest. Balanced rows level loads."""
+    from megatron_moe.techniques.proprophet.proprophet import lightweight_placement
+    T = np.array([[2, 30, 1, 1, 1, 1], [1, 9, 4, 4, 1, 1], [3, 12, 2, 2, 1, 1]])  # expert 1: hot, on device 0
+    local, balanced = Loads(T, "local"), Loads(T)
+    move = local.moved(1, np.array([0, 1, 2]))
+    assert move.share.tolist() == [30, 9, 12] and move.received.tolist() == [0, 0, 0]
+    assert balanced.moved(1, np.array([0, 1, 2])).share.tolist() != [30, 9, 12]
+    counts = torch.tensor([[1, 20, 1, 0, 1, 1], [1, 10, 0, 1, 0, 0], [1, 9, 4, 4, 1, 1], [3, 12, 2, 2, 1, 1]])
+    placement = lightweight_placement(counts, [0, 0, 1, 2], 3, [(1, (0, 2))], rows="local")
+    table = placement.routing_table  # [S, E, ep]
+    assert table[:, 1].tolist() == [[20, 0, 0], [10, 0, 0], [9, 0, 0], [0, 0, 12]]  # device 1 has no replica
+    assert (table.sum(2) == counts).all()

@@ -20,7 +20,7 @@ from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import STAGE_GROUPS, WorldLayout
 from megatron_moe.sim.moe_layer import Executed
 from megatron_moe.sim.ops import Op, OpBuilder
-from megatron_moe.sim.report import candidate_options
+from megatron_moe.sim.results import candidate_options
 from megatron_moe.sim.runner import Simulation, keep_pieces
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.sim.traces import RecordedTrace, SyntheticTrace, largest_remainder, split_even

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from megatron_moe.sweep.report import metric_value, reduce_metric, write_report
+from megatron_moe.sweep.plots import write_report
+from megatron_moe.sweep.report import metric_value, reduce_metric
 from megatron_moe.training.completion import write_complete_marker
 
 RECORD = {"iteration": 4, "loss": 2.5, "a2a_exposed_ms": {"forward": 1.25, "backward": 2.0},

@@ -9,7 +9,7 @@ import yaml
 
 from megatron_moe.config import ConfigError
 from megatron_moe.sweep import cli
-from megatron_moe.sweep.launch import make_launch, parse_time
+from megatron_moe.sweep.launch_spec import make_launch, parse_time
 from megatron_moe.sweep.spec import expand, format_value, load_sweep, select
 
 ROOT = Path(__file__).resolve().parents[2]

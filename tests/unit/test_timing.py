@@ -10,7 +10,7 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group
-from megatron_moe.moe.lancet import WGradScheduler
+from megatron_moe.techniques.lancet.lancet import WGradScheduler
 from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.timing import DeviceClock, Duration

@@ -1,10 +1,10 @@
-"""FasterMoE's topology-aware gate (§4.3, moe/topology_gate.py) against the plain-loop reference."""
+"""FasterMoE's topology-aware gate (§4.3, techniques/fastermoe/topology_gate.py) against the plain-loop reference."""
 import torch
 
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.moe.router import GATES
-from megatron_moe.moe.topology_gate import topology_select
+from megatron_moe.techniques.fastermoe.topology_gate import topology_select
 from tests.moe_reference import topology_choices
 
 

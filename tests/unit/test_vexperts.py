@@ -1,4 +1,4 @@
-"""Persistent vExperts (moe/vexperts.py, balancers/eplb.py, balancers/flexmoe.py, Placement.on_slots):
+"""Persistent vExperts (moe/vexperts.py, techniques/eplb/eplb.py, techniques/flexmoe/flexmoe.py, Placement.on_slots):
 the pure pieces, no process groups. Slot tables, transfer plans and integer routing on hand-worked
 examples, plus random checks against small brute-force references."""
 import numpy as np
@@ -7,9 +7,9 @@ import torch
 from matplotlib.figure import Figure
 
 from megatron_moe.config import ConfigError, load_config, validate_config
-from megatron_moe.moe.balancers.eplb import eplb_slots_per_rank, keep_in_place
-from megatron_moe.moe.balancers.flexmoe import flexmoe_slots_per_rank
-from megatron_moe.moe.balancers.flexmoe_plan import flexible_routing
+from megatron_moe.techniques.eplb.eplb import eplb_slots_per_rank, keep_in_place
+from megatron_moe.techniques.flexmoe.flexmoe import flexmoe_slots_per_rank
+from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.load_plots import figure_rgb, placement_figure
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexperts import (SlotTable, Transfer, expert_rows, fill_duplicates, integer_routing,
@@ -448,7 +448,7 @@ class _State:
 
 
 def test_ep_ranks_per_node_for_hierarchical_eplb():
-    from megatron_moe.moe.balancers.vexpert_base import ep_ranks_per_node
+    from megatron_moe.techniques.flexmoe.vexpert_base import ep_ranks_per_node
 
     assert ep_ranks_per_node(_State([0, 1, 2, 3], None)) is None  # one node
     assert ep_ranks_per_node(_State([0, 1, 2, 3], 4)) is None  # the whole group on one node
@@ -456,3 +456,21 @@ def test_ep_ranks_per_node_for_hierarchical_eplb():
     assert ep_ranks_per_node(_State([0, 2, 4, 6], 4)) == 2  # strided group (tp = 2): 2 EP ranks per node
     assert ep_ranks_per_node(_State([0, 4, 1, 5], 4)) is None  # nodes interleaved: planned flat
     assert ep_ranks_per_node(_State([0, 1, 2, 4, 5, 8], 4)) is None  # unequal nodes
+
+
+def test_eplb_hierarchical_modes():
+    """`moe.eplb.hierarchical`: auto is global unless the gate is group-limited (`moe.router_groups`
+    > 1); true follows the nodes; false never."""
+    from types import SimpleNamespace
+
+    from megatron_moe.techniques.eplb.eplb import eplb_ranks_per_node
+
+    state = _State([0, 1, 2, 3], 2)  # two nodes of 2 EP ranks
+
+    def cfg(mode, groups=1):
+        return SimpleNamespace(moe=SimpleNamespace(eplb=SimpleNamespace(hierarchical=mode), router_groups=groups))
+
+    assert eplb_ranks_per_node(cfg("auto"), state) is None
+    assert eplb_ranks_per_node(cfg("auto", 2), state) == 2
+    assert eplb_ranks_per_node(cfg("True"), state) == 2 and eplb_ranks_per_node(cfg("false", 2), state) is None
+    assert eplb_ranks_per_node(cfg("true"), _State([0, 1, 2, 3], None)) is None  # one node: global

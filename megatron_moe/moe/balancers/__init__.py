@@ -1,10 +1,10 @@
 """Balancers: policies that turn token counts into a Placement (registry keyed by `moe.balancer`)."""
-from megatron_moe.registry import Registry
+from megatron_moe.config.validate import section_check
+from megatron_moe.config.registry import Registry
 
-BALANCERS = Registry("moe.balancer")
+BALANCERS = Registry("moe.balancer")  # entries: balancers/base.py ("none"), techniques/*/
 
-from megatron_moe.moe.balancers import base  # noqa: E402,F401  (registers "none")
-from megatron_moe.moe.balancers import fastermoe  # noqa: E402,F401  (registers "fastermoe")
-from megatron_moe.moe.balancers import proprophet  # noqa: E402,F401  (registers "proprophet")
-from megatron_moe.moe.balancers import flexmoe  # noqa: E402,F401  (registers "flexmoe")
-from megatron_moe.moe.balancers import eplb  # noqa: E402,F401  (registers "eplb")
+
+@section_check("moe.balancer")
+def _check_balancer(cfg, world_size: int) -> None:
+    BALANCERS.get(cfg.moe.balancer)

@@ -18,9 +18,27 @@ from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.placement import Placement
 
 
+class NoCrossLayer:
+    """No work crosses MoE layers: each layer issues its own Trans. A balancer's `cross_layer` is
+    what the MoE layer calls around its experts (Pro-Prophet's: techniques/proprophet/cross_layer.py)."""
+
+    @staticmethod
+    def take_prefetched(layer, replicas):
+        return None  # nothing was issued for `layer` by the block before
+
+    @staticmethod
+    def before_experts(layer, tokens_per_ep_rank) -> None:
+        pass
+
+    @staticmethod
+    def after_layer(layer) -> None:
+        pass
+
+
 class Balancer(ABC):
     plans_during_dispatch = False  # `observe` runs while the dispatch all-to-all is in flight
-    prefetches_trans = False  # the block before issues this layer's Trans (moe/cross_layer.py)
+    prefetches_trans = False  # the block before issues this layer's Trans (techniques/proprophet/cross_layer.py)
+    cross_layer = NoCrossLayer  # take_prefetched / before_experts / after_layer, called by moe/layer.py
     slots_per_rank: Optional[int] = None  # persistent vExpert slots per EP rank (moe/vexperts.py), or owners
 
     def __init__(self, cfg: Config, state: ParallelState):

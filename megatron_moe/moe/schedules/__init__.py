@@ -1,10 +1,13 @@
 """Schedules: how tokens travel between ranks in an MoE layer (registry keyed by `moe.schedule`)."""
-from megatron_moe.registry import Registry
+from megatron_moe.config.validate import section_check
+from megatron_moe.config.registry import Registry
 
-SCHEDULES = Registry("moe.schedule")
+SCHEDULES = Registry("moe.schedule")  # entries: schedules/baseline.py, techniques/parm/parm.py
 # byte-counter kinds of the token all-to-alls (plain, SAA's phased point to point, the smart schedule's
 # pairwise steps): metrics.jsonl's a2a_exposed_ms / a2a_total_ms, forward and backward
 A2A_KINDS = ("all_to_all", "all_to_all_p2p", "smart_p2p")
 
-from megatron_moe.moe.schedules import baseline  # noqa: E402,F401  (registers "baseline")
-from megatron_moe.moe.schedules import parm  # noqa: E402,F401  (registers "s1", "s2", "auto")
+
+@section_check("moe.schedule")
+def _check_schedule(cfg, world_size: int) -> None:
+    SCHEDULES.get(cfg.moe.schedule)

@@ -8,7 +8,7 @@
 
 `replicas` are the placement's replica weights, their *Trans* already issued (`moe/replicas.py`);
 `hooks` (`RunHooks`) let a cross-layer scheduler run work while the dispatch all-to-all is in
-flight and right before the experts compute (`moe/cross_layer.py`, Pro-Prophet Alg. 2).
+flight and right before the experts compute (`techniques/proprophet/cross_layer.py`, Pro-Prophet Alg. 2).
 
 A schedule owns everything between the replicated hidden states `x` [n, h] and the replicated
 output `y` [n, h]: which tokens each rank routes, the collectives that move them, how partial
@@ -23,10 +23,10 @@ Seams for the techniques to come:
   whole micro-batch. S2 routes the replicated input like the baseline and splits each expert's
   tokens over `tp` in `dispatch`. Both dispatch/combine with EP&ESP-AlltoAll over `ep_esp`
   (sources = `ep_esp` ranks) and compute no token twice (`expert_grad_scale` 1). SAA is S2's combine.
-* FasterMoE's smart schedule (`moe.smart_schedule`, schedules/smart.py) replaces the all-to-all,
+* FasterMoE's smart schedule (`moe.smart_schedule`, techniques/fastermoe/smart.py) replaces the all-to-all,
   experts and all-to-all back of `run` with pipelined pairwise steps; a schedule supports it by
   providing `smart_parts` (the rows as they leave, ordered by peer) and `smart_finish`.
-  Lancet's partitioned forward (moe/lancet_partition.py) runs other parts' non-MoE computation in
+  Lancet's partitioned forward (techniques/lancet/lancet_partition.py) runs other parts' non-MoE computation in
   `hooks.while_dispatching` / `while_combining`; its dW deferral fills the backward all-to-alls.
 """
 from __future__ import annotations
@@ -43,6 +43,11 @@ from megatron_moe.moe.experts import ExpertBatch, Experts
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router, Routing
 from megatron_moe.moe.stats import MoEStats
+from megatron_moe.config.registry import Registry
+
+# moe.smart_schedule's pairwise exchange, "smart" (techniques/fastermoe/smart.py `Smart`: Plan,
+# peer_group, exchange): a schedule builds its parts, the exchange itself lives with FasterMoE
+EXCHANGES: Registry = Registry("moe.smart_schedule")
 
 
 @dataclass
@@ -89,7 +94,7 @@ class RunHooks:
 class Schedule(ABC):
     expert_grad_scale: float = 1.0  # multiplies expert weight gradients
     hooks: RunHooks = RunHooks()  # this forward's (set by `run`)
-    wgrad = None  # Lancet's WGradScheduler (moe/lancet.py): its `fill` runs during backward all-to-alls
+    wgrad = None  # Lancet's WGradScheduler (techniques/lancet/lancet.py): its `fill` runs during backward all-to-alls
 
     def backward_fill(self):
         """What runs while a backward all-to-all is in flight (`fill(elements)`), or None."""
@@ -142,7 +147,7 @@ class Schedule(ABC):
         self.hooks.flush_combining()
         return y
 
-    # -- FasterMoE's smart schedule (schedules/smart.py) --------------------------------------------
+    # -- FasterMoE's smart schedule (techniques/fastermoe/smart.py) --------------------------------------------
     def smart_parts(self, routed: Routed, placement: Placement) -> Tuple[torch.Tensor, Any, Any, Callable]:
         """(rows to send [m, h] ordered by destination peer, context for `smart_finish`, SmartPlan,
         what follows the experts on the receiving rank before the rows go back)."""
@@ -153,15 +158,14 @@ class Schedule(ABC):
         raise NotImplementedError
 
     def run_smart(self, routed: Routed, placement: Placement, experts: Experts, replicas) -> torch.Tensor:
-        from megatron_moe.moe.schedules.smart import smart_exchange
-
+        smart = EXCHANGES.get("smart")
         send, ctx, plan, after_experts = self.smart_parts(routed, placement)
 
         def compute(batch: ExpertBatch, replica_stacks) -> torch.Tensor:
             held = replicas.with_stacks(replica_stacks) if replicas is not None else None
             return after_experts(experts(batch, held, grad_scale=self.expert_grad_scale))
 
-        return self.smart_finish(smart_exchange(send, plan, compute, replicas), ctx)
+        return self.smart_finish(smart.exchange(send, plan, compute, replicas), ctx)
 
 
 def even_split(n: int, parts: int) -> List[int]:

@@ -34,7 +34,7 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import Routed, Schedule, slots_by_expert
+from megatron_moe.moe.schedules.base import EXCHANGES, Routed, Schedule, slots_by_expert
 from megatron_moe.tensor_parallel import reduce_from_tp_region
 
 ROUTING_KIND = "all_gather_routing"  # byte-counter labels of the metadata collectives
@@ -125,11 +125,10 @@ class BaselineSchedule(Schedule):
 
     def smart_parts(self, routed: BaselineRouted, placement: Placement):
         """Pairwise steps over `ep`; each step's partial sums are ESP-AllReduced before going back."""
-        from megatron_moe.moe.schedules.smart import SmartPlan, smart_peer_group
-
+        smart = EXCHANGES.get("smart")
         send, ctx = self._send_rows(routed, placement)
-        peers = smart_peer_group(self.cfg.moe.smart_group_size, self.state.esp_size, exchange_over_ep_esp=False)
-        plan = SmartPlan(self.state.ep, ctx.send_splits, ctx.recv_splits, peers, placement, self.state.ep.rank)
+        peers = smart.peer_group(self.cfg.moe.smart_group_size, self.state.esp_size, exchange_over_ep_esp=False)
+        plan = smart.Plan(self.state.ep, ctx.send_splits, ctx.recv_splits, peers, placement, self.state.ep.rank)
         return send, ctx, plan, lambda out: reduce_from_tp_region(out, self.state.esp)
 
     def smart_finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:

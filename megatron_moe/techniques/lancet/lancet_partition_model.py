@@ -8,7 +8,7 @@ parts costs P(i, n, k); the dynamic program of §5.1 picks the segments and thei
     T(0) = 0,    T(n) = min_{0 <= i < n} { T(i) + min_{1 <= k <= K} P(i, n, k) }        (§5.1)
 
 P(i, n, 1) is the plain time (the sum). A segment may be partitioned (k > 1) only when it holds
-exactly one MoE FFN: the eager pipeline (moe/lancet_partition.py) overlaps that layer's
+exactly one MoE FFN: the eager pipeline (techniques/lancet/lancet_partition.py) overlaps that layer's
 all-to-alls with the parts' non-MoE computation; other segments have P = inf for k > 1 (Lancet's
 "no valid way to partition").
 
@@ -21,7 +21,7 @@ instruction of its kind, compute or communication), in the order the eager pipel
 with A = the segment's instructions before the MoE FFN (one part), D / C = the dispatch / combine
 all-to-all of one part, X = the MoE layer's compute for one part (norm, gate, experts), B = the
 instructions after it. Op times per part come from measurement at the part's size
-(`moe/lancet_partition.py` profiles every sublayer at 1..k parts, the MoE FFN's all-to-alls
+(`techniques/lancet/lancet_partition.py` profiles every sublayer at 1..k parts, the MoE FFN's all-to-alls
 included), where Lancet's cost model (§3) queries the whole all-to-all's profile at C/k.
 """
 from __future__ import annotations

@@ -10,9 +10,10 @@ Per layer and forward, on the counts every rank already has (no extra communicat
         c = Lat_shadow(|E_s| + 1, B'_max)                            Eq. 8
         if c < c_min: accept (c_min = c)  else: stop
 
-The paper's Alg. 1 walks workers ("B_i, i in DescendingSort(B)") with one expert per worker;
-with several experts per EP rank we walk experts by their total rows, as FastMoE's released
-policy does. `moe.fastermoe.min_shadow: k` shadows at least the k most popular experts whatever
+Eq. 8 is the paper's as printed by default; `moe.fastermoe.eq8` names the alternatives
+(`techniques/fastermoe/fastermoe_model.py`). The paper's Alg. 1 walks workers ("B_i, i in DescendingSort(B)")
+with one expert per worker; with several experts per EP rank we walk experts by their total rows
+(FastMoE's release walks them too, but prices them differently: `eq8: fastmoe`). `moe.fastermoe.min_shadow: k` shadows at least the k most popular experts whatever
 the model says (experiments, tests). A shadowed expert is replicated on every EP rank of its
 group (its weights are broadcast, `moe/replicas.py`) and each source computes its own rows of it
 locally (`Placement.shadowed`), so the math is unchanged.
@@ -26,9 +27,11 @@ import torch
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
-from megatron_moe.perf.calibrate import expert_shape
-from megatron_moe.perf.fastermoe_model import ShadowCostModel
-from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile
+from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
+from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile, expert_shape
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 
 def rows_per_rank(counts: torch.Tensor, source_ep_ranks: Sequence[int], ep_size: int) -> torch.Tensor:
@@ -69,6 +72,32 @@ def select_shadow_experts(T: torch.Tensor, cost: ShadowCostModel, min_shadow: in
     return sorted(shadowed)
 
 
+def fastmoe_release_shadow(T: torch.Tensor, cost: ShadowCostModel, min_shadow: int = 0) -> List[int]:
+    """FastMoE's released policy (`moe.fastermoe.eq8: fastmoe`): experts by descending total rows
+    B_(0) >= B_(1) >= ...; Lat = Eq. 7 at B_(0); shadowing the first i + 1 costs Eq. 7 at B_(i+1)
+    (the next-largest expert's count) plus i + 1 parameter sends; accept while it drops."""
+    totals = T.long().sum(0)
+    order = torch.argsort(totals, descending=True, stable=True).tolist()
+    c_min = cost.lat_imbl(float(totals[order[0]]))
+    shadowed: List[int] = []
+    for i, e in enumerate(order[:-1]):
+        c = cost.lat_shadow(i + 1, float(totals[order[i + 1]]))
+        if c < c_min or i + 1 <= min_shadow:
+            shadowed, c_min = shadowed + [e], c
+        else:
+            break
+    return sorted(shadowed)
+
+
+def check_fastermoe_config(cfg) -> None:
+    """`moe.fastermoe.eq8` (called by this technique's section check)."""
+    from megatron_moe.config.errors import ConfigError
+    from megatron_moe.techniques.fastermoe.fastermoe_model import EQ8
+
+    if cfg.moe.fastermoe.eq8 not in EQ8:
+        raise ConfigError(f"moe.fastermoe.eq8={cfg.moe.fastermoe.eq8!r} must be one of {', '.join(EQ8)}")
+
+
 @BALANCERS.register("fastermoe")
 class FasterMoE(Balancer):
     """Dynamic shadowing: Alg. 1 per forward with Eq. 7-8 fed by the hardware profile."""
@@ -80,10 +109,25 @@ class FasterMoE(Balancer):
                                                  flops_per_row=shape.flops_per_row,
                                                  params_per_expert=float(shape.params(m.bias, state.esp_size)),
                                                  hidden=m.hidden_size,
-                                                 token_term=cfg.moe.fastermoe.token_term)
+                                                 eq8=cfg.moe.fastermoe.eq8)
         self.min_shadow = cfg.moe.fastermoe.min_shadow
 
     def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
         T = rows_per_rank(counts, source_ep_ranks, self.ep_size)
-        shadowed = select_shadow_experts(T, self.cost, self.min_shadow) if self.ep_size > 1 else []
+        select = fastmoe_release_shadow if self.cost.eq8 == "fastmoe" else select_shadow_experts
+        shadowed = select(T, self.cost, self.min_shadow) if self.ep_size > 1 else []
         return Placement.shadowed(counts, self.ep_size, shadowed, source_ep_ranks)
+
+
+@section_check("moe.fastermoe")
+def _check_fastermoe(cfg, world_size: int) -> None:
+    moe = cfg.moe
+    if moe.balancer == "fastermoe":
+        check_fastermoe_config(cfg)
+    if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
+        raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
+
+
+@PROFILE_NEEDS.register("fastermoe")
+def _profile_needs(cfg) -> list:
+    return [(BALANCER_OPS, "moe.balancer=fastermoe")] if cfg.moe.balancer == "fastermoe" else []

@@ -15,14 +15,20 @@ H^2), H = hidden size (elements per token row). Times come from the hardware pro
 `p2p.beta` (s per element between two ranks), the shadowed parameters' `broadcast.beta` (s per
 element broadcast over `ep`, the collective shadowing uses).
 
-The bracketed token term (`token_term`, `moe.fastermoe.token_term`, default true) is not in the
-paper's printed Eq. 8, which charges no token traffic once anything is shadowed: then shadowing
-even one expert "saves" all of Eq. 7's all-to-all time and pays off under a perfectly balanced
-load whenever Eq. 9 holds. FastMoE's released policy (`fmoe/fastermoe/shadow_policy.py`) keeps
-the term, evaluated at the new loads; so do we by default: shadowing then pays off only when it
-cuts the busiest rank's load by enough to move the weights. With `token_term: false` the model
-is the paper's as printed, and the first shadow's decision Lat_shadow(1, B') < Lat_imbl(B) is,
-rearranged (one W_net for both),
+`moe.fastermoe.eq8` names the variant (`ShadowCostModel.eq8`):
+
+    printed     (default) Eq. 8 as printed: no token term once anything is shadowed, 2 r Q / W_net
+    token_term  the bracketed term kept, at the new loads B'_w: shadowing pays only when it cuts the
+                busiest rank's load by enough to move the weights. B'_w counts the rows a rank
+                computes from its own sources for shadowed experts, though they never cross the
+                network, so this overcharges the shadowed case (no paper or release uses it)
+    fastmoe     FastMoE's released policy (`fmoe/fastermoe/shadow_policy.py`), a different walk
+                (`moe/balancers/fastermoe.fastmoe_release_shadow`): experts by total rows,
+                shadowing the first i leaves the (i+1)-th largest expert count as B_max, the token
+                term is kept, and each shadow costs one parameter send (r Q / W_net, not 2 r Q)
+
+With `printed` the first shadow's decision Lat_shadow(1, B') < Lat_imbl(B) is, rearranged (one
+W_net for both),
     Eq. 9:  B_max > r Q / (2 H)      (the paper's B_max > r alpha H: moving the inputs costs more
                                      than moving the models), or
     Eq. 10: 3 (B_max - B'_max) F / (2 r Q - 4 H B_max) > P / W_net   (the compute saved outweighs
@@ -38,6 +44,9 @@ from dataclasses import dataclass
 from megatron_moe.perf.hardware import BALANCER_OPS, HardwareProfile
 
 
+EQ8 = ("printed", "token_term", "fastmoe")
+
+
 @dataclass(frozen=True)
 class ShadowCostModel:
     flops_per_row: float  # F: one row through one expert shard, forward
@@ -46,23 +55,25 @@ class ShadowCostModel:
     seconds_per_flop: float  # 1 / P
     seconds_per_token_element: float  # 1 / W_net for token rows (p2p)
     seconds_per_param_element: float  # 1 / W_net for shadowed parameters (broadcast)
-    token_term: bool = True  # keep Eq. 7's token traffic in Eq. 8 (module docstring)
+    eq8: str = "printed"  # printed | token_term | fastmoe (module docstring)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile, flops_per_row: float, params_per_expert: float,
-                     hidden: int, token_term: bool = True) -> "ShadowCostModel":
+                     hidden: int, eq8: str = "printed") -> "ShadowCostModel":
         profile.require(BALANCER_OPS, "moe.balancer=fastermoe")
         return cls(flops_per_row, params_per_expert, hidden, profile.expert_compute.beta, profile.p2p.beta,
-                   profile.broadcast.beta, token_term)
+                   profile.broadcast.beta, eq8)
 
     def lat_imbl(self, max_rows: float) -> float:
         """Eq. 7 at B_max (both terms grow with B_w, so the max is the busiest rank's)."""
         return self._compute(max_rows) + self._tokens(max_rows)
 
     def lat_shadow(self, shadowed: int, max_rows: float) -> float:
-        """Eq. 8: r = `shadowed` experts broadcast (forward) and reduced (backward), B'_max rows."""
-        return self._compute(max_rows) + (self._tokens(max_rows) if self.token_term else 0.0) + \
-            2 * shadowed * self.params_per_expert * self.seconds_per_param_element
+        """Eq. 8: r = `shadowed` experts broadcast (forward) and reduced (backward), B'_max rows
+        (`fastmoe`: one send per shadow, the token term kept)."""
+        sends = shadowed if self.eq8 == "fastmoe" else 2 * shadowed
+        return self._compute(max_rows) + (self._tokens(max_rows) if self.eq8 != "printed" else 0.0) + \
+            sends * self.params_per_expert * self.seconds_per_param_element
 
     def _compute(self, rows: float) -> float:
         return 3 * self.flops_per_row * rows * self.seconds_per_flop

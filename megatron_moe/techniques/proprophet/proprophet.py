@@ -6,7 +6,9 @@ holds a replica of expert e computes its own sources' rows of e locally (the own
 by *Trans*, the gradients go back by *Agg*, `moe/replicas.py`). The rows of e are split among e's
 devices so that their loads level out (integer water-filling, lowest load first), and each device
 fills its share with its own sources' rows before it receives any: rows travel only where the
-balance needs them. The greedy search of Alg. 1, per layer, on T [D, E] (rows each
+balance needs them (`moe.proprophet.rows: balanced`, default). `rows: local` is the paper's §4.2:
+every device with a replica computes exactly its own sources' rows of e ("its local inputs routed
+to these experts could be computed locally"), the owner the rows of the devices without one. The greedy search of Alg. 1, per layer, on T [D, E] (rows each
 device's sources route to each expert):
 
     H, R = owner-only loads;  T_out = T'(R, H, 0)                       lines 1-4 (Eq. 6 / Eq. 8)
@@ -23,7 +25,7 @@ per EP rank we take, of the heaviest device's experts not selected yet, the one 
 the lowest T' (ties: the heavier), and stop (lines 7-8's `break`) when that device has none left.
 (Taking its heaviest expert instead ignores locality: on 120 small random cases it was 1.12 x the
 optimum at worst, this 1.08; `tests/unit/test_proprophet.py`.) The cost model is
-`perf/proprophet_model.py`.
+`techniques/proprophet/proprophet_model.py`.
 
 Locality (§III): the plan for the next forwards is searched on this forward's distribution
 (`observe`, the `Plan` primitive), every `moe.proprophet.plan_interval` iterations, and reused in
@@ -42,12 +44,15 @@ import torch
 
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.balancers.base import Balancer
-from megatron_moe.moe.balancers.fastermoe import rows_per_rank
+from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
 from megatron_moe.moe.placement import Placement, owner_table
 from megatron_moe.perf import timing
-from megatron_moe.perf.calibrate import expert_shape
-from megatron_moe.perf.hardware import configured_profile
-from megatron_moe.perf.proprophet_model import PROPROPHET_OPS, ProphetCostModel
+from megatron_moe.perf.hardware import configured_profile, expert_shape
+from megatron_moe.techniques.proprophet import cross_layer
+from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 Selection = Tuple[int, Tuple[int, ...]]  # (expert, its devices: owner first, then ascending)
 
@@ -73,8 +78,8 @@ class Loads:
     """Rows computed (H) and received from other devices (R) per device under a lightweight
     placement built one expert at a time (Alg. 1's Replace_Inputs)."""
 
-    def __init__(self, T: np.ndarray):
-        self.T = T  # [D, E]
+    def __init__(self, T: np.ndarray, rows: str = "balanced"):
+        self.T, self.local_rows = T, rows == "local"  # [D, E]; `moe.proprophet.rows`
         D, E = T.shape
         self.owners = np.arange(E) // (E // D)
         self.by_expert = np.ascontiguousarray(T.T)  # [E, D]: what each device routes to e
@@ -91,10 +96,15 @@ class Loads:
         return self.on_device.T
 
     def moved(self, e: int, devices: np.ndarray) -> "Move":
-        """Expert e computed on `devices` (Int[k], owner first): its rows are water-filled over
-        them (each device's share levels the loads), and each device takes its share from its own
-        sources' rows first."""
-        share = water_fill(self.H[devices] - self.on_device[e][devices], int(self.total[e]))
+        """Expert e computed on `devices` (Int[k], owner first). Balanced rows: its rows are
+        water-filled over them (each device's share levels the loads), and each device takes its
+        share from its own sources' rows first. Local rows (§4.2): each device computes its own
+        sources' rows of e, the owner the rest (the rows of devices without a replica)."""
+        if self.local_rows:
+            share = self.by_expert[e][devices].copy()
+            share[0] = self.total[e] - share[1:].sum()
+        else:
+            share = water_fill(self.H[devices] - self.on_device[e][devices], int(self.total[e]))
         received = share - np.minimum(self.by_expert[e][devices], share)
         H, R = self.H - self.on_device[e], self.R - self.received[e]
         H[devices] += share
@@ -145,10 +155,11 @@ def _devices(rows: np.ndarray, owner: int, bottom_k: int) -> np.ndarray:
     return np.concatenate(([owner], others))
 
 
-def greedy_search(T: np.ndarray, model: ProphetCostModel, alpha: float, bottom_k: int = 0) -> List[Selection]:
+def greedy_search(T: np.ndarray, model: ProphetCostModel, alpha: float, bottom_k: int = 0,
+                  rows: str = "balanced") -> List[Selection]:
     """Alg. 1 on T [D, E] -> the selections of the best placement found, in the order they apply."""
     D, E = T.shape
-    loads = Loads(T)
+    loads = Loads(T, rows)
     best, count, transfers = model.layer(loads.H, loads.R, 0), 0, 0
     chosen: List[Selection] = []
     selected = np.zeros(E, dtype=bool)
@@ -183,9 +194,10 @@ def greedy_search(T: np.ndarray, model: ProphetCostModel, alpha: float, bottom_k
     return chosen[:count]
 
 
-def predicted_time(T: np.ndarray, model: ProphetCostModel, chosen: Sequence[Selection]) -> float:
+def predicted_time(T: np.ndarray, model: ProphetCostModel, chosen: Sequence[Selection],
+                   rows: str = "balanced") -> float:
     """T' (Eq. 6 / Eq. 8) of the placement `chosen` on T [D, E]."""
-    loads = Loads(T)
+    loads = Loads(T, rows)
     for e, devices in chosen:
         loads.replicate(e, devices)
     return model.layer(loads.H, loads.R, sum(len(devices) - 1 for _, devices in chosen))
@@ -231,7 +243,7 @@ def ratios_to_optimum(cases: int, seed: int = 0, skew: float = 1.2) -> List[floa
 
 
 def lightweight_placement(counts: torch.Tensor, source_ep_ranks: Sequence[int], ep_size: int,
-                          chosen: Sequence[Selection]) -> Placement:
+                          chosen: Sequence[Selection], rows: str = "balanced") -> Placement:
     """The Placement of `chosen` for counts Long[S, E]: selections applied in order, as the search
     evaluated them (`Loads.replicate`); the rows a device keeps come from its own sources in source
     order, every other row fills the devices' remaining shares in source order, devices in order."""
@@ -242,7 +254,7 @@ def lightweight_placement(counts: torch.Tensor, source_ep_ranks: Sequence[int], 
     table = table.numpy()  # [S, E, ep], a view: filled in place
     rows_of = counts.numpy()
     sources = np.asarray(source_ep_ranks)
-    loads = Loads(rows_per_rank(counts, source_ep_ranks, ep_size).numpy())
+    loads = Loads(rows_per_rank(counts, source_ep_ranks, ep_size).numpy(), rows)
     by_device = np.argsort(sources, kind="stable")  # sources grouped by device, in source order
     for e, devices in chosen:
         keep, receive = loads.replicate(e, devices)
@@ -270,9 +282,22 @@ def lightweight_placement(counts: torch.Tensor, source_ep_ranks: Sequence[int], 
     return Placement(tuple(replicas), torch.from_numpy(table))
 
 
+ROWS = ("balanced", "local")
+
+
+def check_proprophet_config(cfg) -> None:
+    """`moe.proprophet.rows` (called by this technique's section check)."""
+    from megatron_moe.config.errors import ConfigError
+
+    if cfg.moe.proprophet.rows not in ROWS:
+        raise ConfigError(f"moe.proprophet.rows={cfg.moe.proprophet.rows!r} must be one of {', '.join(ROWS)}")
+
+
 @BALANCERS.register("proprophet")
 class ProProphet(Balancer):
     """Alg. 1 with locality: the plan searched on one forward's distribution serves the next ones."""
+
+    cross_layer = cross_layer  # Alg. 2's block-wise scheduler (active with moe.proprophet.overlap)
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
@@ -283,7 +308,7 @@ class ProProphet(Balancer):
         profile = configured_profile(cfg, PROPROPHET_OPS, "moe.balancer=proprophet")
         self.model = ProphetCostModel.from_profile(profile, m.hidden_size, shape.params(m.bias, state.esp_size),
                                                    shape.flops_per_row, fnec_flops, pp.overlap)
-        self.alpha, self.bottom_k, self.min_replicas = pp.alpha, pp.bottom_k, pp.min_replicas
+        self.alpha, self.bottom_k, self.min_replicas, self.rows = pp.alpha, pp.bottom_k, pp.min_replicas, pp.rows
         micro_batches = max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * state.dp_size))
         self.plan_every = pp.plan_interval * micro_batches  # forwards between searches
         self.chosen: Optional[List[Selection]] = None  # the plan in force
@@ -291,7 +316,7 @@ class ProProphet(Balancer):
 
     def search(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> List[Selection]:
         T = rows_per_rank(counts, source_ep_ranks, self.ep_size).numpy()
-        chosen = greedy_search(T, self.model, self.alpha, self.bottom_k)
+        chosen = greedy_search(T, self.model, self.alpha, self.bottom_k, self.rows)
         if len(chosen) < self.min_replicas:  # experiments and tests: force Trans / Agg
             forced = [(e, devices_for(T, e, int(e // (self.num_experts // self.ep_size)), self.bottom_k))
                       for e in np.argsort(-T.sum(0), kind="stable").tolist() if e not in dict(chosen)]
@@ -300,7 +325,7 @@ class ProProphet(Balancer):
 
     def plan(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> Placement:
         chosen = self.chosen if self.chosen is not None else self.search(counts, source_ep_ranks)
-        return lightweight_placement(counts, source_ep_ranks, self.ep_size, chosen)
+        return lightweight_placement(counts, source_ep_ranks, self.ep_size, chosen, self.rows)
 
     def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
         """`Plan` (§V): every `plan_every` training forwards, search on this forward's counts for
@@ -314,7 +339,7 @@ class ProProphet(Balancer):
 
     def upcoming_replicas(self) -> Optional[List[Selection]]:
         """The replicas the next forward will use (None until a plan exists): the block-wise
-        scheduler prefetches their *Trans* (`moe/cross_layer.py`)."""
+        scheduler prefetches their *Trans* (`techniques/proprophet/cross_layer.py`)."""
         return self.chosen
 
 
@@ -326,3 +351,22 @@ def non_moe_flops_per_token(cfg, state) -> float:
     attention = 2 * 4 * h * h / tp + 2 * 2 * s * h / tp
     dense = 2 * 2 * h * m.ffn_hidden_size / tp * (cfg.moe.layer_freq - 1)
     return attention * cfg.moe.layer_freq + dense
+
+
+@section_check("moe.proprophet")
+def _check_proprophet(cfg, world_size: int) -> None:
+    moe, pp = cfg.moe, cfg.moe.proprophet
+    if moe.balancer == "proprophet":
+        check_proprophet_config(cfg)
+    for key, value, ok, rule in [("alpha", pp.alpha, pp.alpha >= 0, ">= 0"),
+                                 ("plan_interval", pp.plan_interval, pp.plan_interval >= 1, ">= 1"),
+                                 ("bottom_k", pp.bottom_k, pp.bottom_k >= 0, ">= 0"),
+                                 ("min_replicas", pp.min_replicas, 0 <= pp.min_replicas <= moe.num_experts,
+                                  "in [0, moe.num_experts]")]:
+        if not ok:
+            raise ConfigError(f"moe.proprophet.{key}={value} must be {rule}")
+
+
+@PROFILE_NEEDS.register("proprophet")
+def _profile_needs(cfg) -> list:
+    return [(PROPROPHET_OPS, "moe.balancer=proprophet")] if cfg.moe.balancer == "proprophet" else []

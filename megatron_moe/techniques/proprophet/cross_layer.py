@@ -1,7 +1,8 @@
 """Work that crosses MoE layers within one forward pass: Pro-Prophet's block-wise scheduler
 (Wang et al., §V, Alg. 2; `moe.proprophet.overlap: true`). The one place where a layer reaches
-into the next one — the model code only links the layers (`link_moe_layers`, from `run_layers`);
-Lancet's cross-layer scheduling belongs here too.
+into the next one — the model code only links the layers (model/transformer.py `link_moe_layers`,
+from `run_layers`); the MoE layer calls this module as its balancer's `cross_layer`
+(moe/balancers/base.py). Lancet's cross-layer scheduling belongs here too.
 
 A *block* i is MoE layer i and the non-MoE computation after it, up to MoE layer i+1. With the
 plan for this iteration known before it starts (locality, §III: searched on an earlier forward),
@@ -24,18 +25,12 @@ as without the scheduler; so is every Trans of a forward that has no plan yet (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from megatron_moe.distributed.collectives import TimeSink
 from megatron_moe.moe.replicas import ReplicaWeights, start_trans
-
-
-def link_moe_layers(moe_layers: Sequence) -> None:
-    """Tell each MoE layer which MoE layer follows it in the forward pass (idempotent)."""
-    for layer, successor in zip(moe_layers, list(moe_layers[1:]) + [None]):
-        object.__setattr__(layer, "next_moe", successor)  # a plain reference, not a submodule
 
 
 @dataclass

@@ -41,10 +41,13 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.model.precision import accumulate_wgrad_, grad_buffer
 from megatron_moe.perf import timing
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import LANCET_OPS, configured_profile
 from megatron_moe.perf.timing import Duration
+from megatron_moe.model.pipeline_stages import STAGE_HOOKS
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the seconds-per-FLOP average
 
@@ -108,15 +111,19 @@ class WGradScheduler:
             self.seconds_per_flop += _SMOOTHING * (float(duration) / flops - self.seconds_per_flop)
         return span.duration
 
+    def linear(self, x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[torch.nn.Parameter]) -> torch.Tensor:
+        """`deferred_linear` with this scheduler (what tensor_parallel/layers.py calls on its `wgrad`)."""
+        return deferred_linear(x, weight, bias, self)
+
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
-    """param.grad += grad (rows `index` of it when given), creating it as autograd would."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
+    """param's gradient (fp32 `main_grad` in bf16 runs, else `.grad`, created as autograd would)
+    += grad (rows `index` of it when given)."""
+    buffer = grad_buffer(param)
     if index is None:
-        param.grad.add_(grad.view_as(param.grad))
+        buffer.add_(grad.view_as(buffer))
     else:
-        param.grad.index_add_(0, index, grad)
+        buffer.index_add_(0, index, grad.to(buffer.dtype))
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -135,8 +142,8 @@ class _DeferredLinear(torch.autograd.Function):
         dx = grad.matmul(weight.detach().view(ctx.shape))
         rows, dy = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
 
-        def dw():
-            accumulate_grad(weight, dy.t().matmul(rows))
+        def dw():  # straight into the fp32 main gradient in bf16 runs (model/precision.py)
+            accumulate_wgrad_(grad_buffer(weight).view(-1, rows.shape[1]), dy.t(), rows)
             if bias is not None:
                 accumulate_grad(bias, dy.sum(0))
 
@@ -169,6 +176,7 @@ def attach(model: torch.nn.Module, scheduler: WGradScheduler) -> None:
             schedule.wgrad = scheduler
 
 
+@STAGE_HOOKS.register("moe.lancet.defer_wgrad")
 def attach_from_config(model: torch.nn.Module, cfg) -> Optional[WGradScheduler]:
     """`attach` a scheduler built from `cfg` when `moe.lancet.defer_wgrad` is on; returns it."""
     scheduler = build_scheduler(cfg)
@@ -187,3 +195,9 @@ def build_scheduler(cfg) -> Optional[WGradScheduler]:
     compute = profile.expert_compute
     return WGradScheduler(profile.ep_esp_alltoall,
                           seconds_per_flop=compute.beta if compute is not None and compute.beta > 0 else 1e-10)
+
+
+@PROFILE_NEEDS.register("lancet")
+def _profile_needs(cfg) -> list:
+    # Alg. 1's budget: each backward all-to-all's estimated time
+    return [(LANCET_OPS, "moe.lancet.defer_wgrad=true")] if cfg.moe.lancet.defer_wgrad else []

@@ -6,7 +6,7 @@ computation around an MoE layer with that layer's all-to-alls: while part q's to
 another part's attention (or the layers after the MoE layer) computes. Lancet does it as an IR
 pass; here `ForwardPartitioner.run` replaces the model's layer loop. The forward is a sequence of
 sublayer instructions (`attention` and `ffn` of every layer); a *segment* of them around one MoE
-FFN runs as k parts (perf/lancet_partition.py has the cost model and the range selection):
+FFN runs as k parts (techniques/lancet/lancet_partition_model.py has the cost model and the range selection):
 
     A_0                                  A = the segment's sublayers before the MoE FFN, and its norm
     for q in 0..k-1:                     MoE FFN of part q (moe/layer.py), with
@@ -50,8 +50,11 @@ from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf import timing
-from megatron_moe.perf.lancet_partition import (Instruction, MoECost, Segment, best_partitioning,
+from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, Segment, best_partitioning,
                                                 fixed_partitioning, partition_max_range, segment_time)
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.model.pipeline_stages import STAGE_HOOKS
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)
 
@@ -217,6 +220,7 @@ class ForwardPartitioner:
         return instructions
 
 
+@STAGE_HOOKS.register("moe.lancet.partitions")
 def from_config(cfg, state, rng, layers) -> Optional[ForwardPartitioner]:
     """The model's partitioner when `moe.lancet.partitions` > 1, else None."""
     lancet = cfg.moe.lancet
@@ -224,3 +228,28 @@ def from_config(cfg, state, rng, layers) -> Optional[ForwardPartitioner]:
         return None
     return ForwardPartitioner(state, rng, layers, lancet.partitions, str(lancet.partition_range),
                               partition_max_range(lancet.max_range, cfg.moe.layer_freq))
+
+
+@section_check("moe.lancet.partitions")
+def _check_lancet_partitions(cfg, world_size: int) -> None:
+    """`moe.lancet.partitions` / `partition_range`."""
+    lancet = cfg.moe.lancet
+    if lancet.partitions < 1:
+        raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be >= 1 (1 = off)")
+    if lancet.partitions > cfg.training.micro_batch_size:
+        raise ConfigError(f"moe.lancet.partitions={lancet.partitions} must be <= training.micro_batch_size="
+                          f"{cfg.training.micro_batch_size}: each part is at least one sequence")
+    rng = str(lancet.partition_range)
+    if rng != "auto" and not (rng.isdigit()):
+        raise ConfigError(f"moe.lancet.partition_range={rng!r} must be auto or a number of sublayers >= 0")
+    if lancet.max_range is not None and (lancet.max_range < 1 or rng != "auto"):
+        raise ConfigError(f"moe.lancet.max_range={lancet.max_range} must be >= 1 (or null) and needs "
+                          f"moe.lancet.partition_range=auto (got {rng!r}): it bounds the dynamic program's segments")
+    if lancet.partitions > 1 and cfg.training.recompute != "none":
+        raise ConfigError(f"moe.lancet.partitions>1 and training.recompute={cfg.training.recompute} cannot be "
+                          "combined yet: the partitioned forward runs sublayers per batch part, outside the "
+                          "recomputed regions and their dropout replay")
+    if lancet.partitions > 1 and cfg.moe.gate == "topology":
+        raise ConfigError("moe.lancet.partitions>1 and moe.gate=topology cannot be combined: the topology gate's "
+                          "budget ranks the whole micro-batch's choices, so batch parts would route differently "
+                          "(Lancet §5: such gates allow partitioning only after the MoE layer, not built)")

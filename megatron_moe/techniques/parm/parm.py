@@ -35,7 +35,7 @@ auto, §V / Alg. 1 (`moe.schedule: auto`, `perf.hardware_profile`)
   2. Both candidates' per-source counts (S1: each TP rank's token piece; S2: each TP rank's chunk
      of every expert) are computed locally from the replicated routing and all-gathered over
      `ep_esp` in one collective; the balancer plans a Placement for each.
-  3. Alg. 1 (`perf/parm_model.py`) compares t_D1 (E T from S1's placement rows) with t_D2 (from
+  3. Alg. 1 (`techniques/parm/parm_model.py`) compares t_D1 (E T from S1's placement rows) with t_D2 (from
      S2's). Every member of an `ep_esp` group computes the same numbers from the same gathered
      counts; when a TP group spans several `ep_esp` groups (tensor > expert * expert_shard) the two
      E T estimates are max-reduced over `tp` first. So one pick holds for every rank that shares a
@@ -74,8 +74,11 @@ from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.hardware import PARM_OPS, configured_profile
-from megatron_moe.perf.parm_model import choose_schedule, dispatched_assignments
+from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
 from megatron_moe.tensor_parallel import copy_to_tp_region, reduce_from_tp_region
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
+from megatron_moe.perf.hardware import PROFILE_NEEDS
 
 COUNTS_KIND = "all_gather_counts"  # byte-counter labels of the metadata collectives
 ROUTING_KIND = "all_gather_routing"
@@ -324,7 +327,7 @@ class ParmSchedule(Schedule):
     def smart_parts(self, routed, placement: Placement):
         """Pairwise steps over `ep_esp`, an EP rank's shard holders in one fine-grained group; S2's
         MP-Split / MP-AllGather and the local Dump / Combine stay outside (plain autograd)."""
-        from megatron_moe.moe.schedules.smart import SmartPlan, smart_peer_group
+        from megatron_moe.techniques.fastermoe.smart import SmartPlan, smart_peer_group
 
         routed, state = self.parm_routed(routed), self.state
         exchange = EpEspExchange(state, placement, routed.piece_rows, False, routed.tokens.device)
@@ -437,3 +440,26 @@ class Auto(ParmSchedule):
 
     def parm_routed(self, routed: AutoRouted) -> ParmRouted:
         return routed.chosen
+
+
+@section_check("parm")
+def _check_parm(cfg, world_size: int) -> None:
+    """SAA belongs to S2 with an MP group (auto picks S1 when parallel.tensor=1, so auto + SAA never
+    runs SAA there); auto's pick must agree over TP and ep_esp groups."""
+    moe, par = cfg.moe, cfg.parallel
+    if moe.saa and moe.schedule not in ("s2", "auto"):
+        raise ConfigError(f"moe.saa=true needs moe.schedule s2 or auto, not {moe.schedule!r}")
+    if moe.saa and moe.schedule == "s2" and par.tensor == 1:
+        raise ConfigError("moe.saa=true with moe.schedule=s2 needs parallel.tensor > 1: SAA overlaps S2's second "
+                          "EP&ESP-AlltoAll with its MP-AllGather, and with parallel.tensor=1 there is no all-gather "
+                          "(its N_EP phases would be pure overhead); set moe.saa=false")
+    ep_esp = par.expert * par.expert_shard
+    if moe.schedule == "auto" and par.tensor % ep_esp and ep_esp % par.tensor:
+        # ranks sharing a TP group or an ep_esp group must pick alike (see Auto above)
+        raise ConfigError(f"moe.schedule=auto needs parallel.tensor={par.tensor} and parallel.expert*"
+                          f"parallel.expert_shard={ep_esp} to divide one another")
+
+
+@PROFILE_NEEDS.register("parm")
+def _profile_needs(cfg) -> list:
+    return [(PARM_OPS, "moe.schedule=auto")] if cfg.moe.schedule == "auto" else []

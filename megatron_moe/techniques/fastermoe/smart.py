@@ -35,6 +35,9 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.schedules.base import EXCHANGES
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
 
 SMART_KIND = "smart_p2p"  # the pairwise exchanges' bytes (sent), forward and backward
 
@@ -166,3 +169,22 @@ def smart_peer_group(group_size_in_ep_ranks: int, esp_size: int, exchange_over_e
 
 
 __all__ = ["SmartPlan", "smart_exchange", "smart_peer_group", "SMART_KIND"]
+
+
+@EXCHANGES.register("smart")
+class Smart:
+    """The smart schedule as the schedules reach it (moe/schedules/base.py `EXCHANGES`)."""
+
+    Plan = SmartPlan
+    peer_group = staticmethod(smart_peer_group)
+    exchange = staticmethod(smart_exchange)
+
+
+@section_check("moe.smart_schedule")
+def _check_smart(cfg, world_size: int) -> None:
+    moe, par = cfg.moe, cfg.parallel
+    if moe.smart_schedule and moe.saa:
+        raise ConfigError("moe.smart_schedule=true and moe.saa=true cannot be combined: both reschedule S2's combine")
+    if moe.smart_group_size < 1 or par.expert % moe.smart_group_size:
+        raise ConfigError(f"moe.smart_group_size={moe.smart_group_size} must be >= 1 and divide "
+                          f"parallel.expert={par.expert}")

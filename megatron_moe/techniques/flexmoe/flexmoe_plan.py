@@ -11,7 +11,9 @@ vExperts of one expert on one GPU share one copy of its weights. Token counts ar
     balance_ratio         Eq. 6: max over GPUs of the tokens computed there / their mean
     flexible_routing      Alg. 3: local vExperts first, the rest in proportion to free capacity
     FlexCostModel         Eq. 5, 7-9 and the adjustment cost of §3.4
-    make_scheduling_plan  Alg. 2: expand the busiest expert, shrink the idlest, if Eq. 5 gains
+    StepCosts             Eq. 5 per GPU by expert column: a plan re-prices the columns it changes
+    make_scheduling_plan  Alg. 2 as printed: expand the busiest expert, shrink the idlest, if Eq. 5
+                          gains (`moe.flexmoe.policy: printed`; the default is flexmoe_policy.py)
     propose_migration     Alg. 1 line 9: swap a replicated expert's vExpert onto another of its GPUs
     schedule              Alg. 1 for one monitoring step: the ops to apply, in order
     apply_ops             executes Expand / Shrink / Migrate (§3.3) on a placement
@@ -28,7 +30,8 @@ Where this departs from the paper, and why:
   * not a departure: Alg. 2 considers e0 = argmax cap_e only (line 6) and returns {} when no
     plan for it lowers Eq. 5 (lines 8-10), so Alg. 1 stops (lines 5-6) once the slowest GPU holds
     no vExpert of e0, even where expanding that GPU's own expert would gain; this follows the
-    paper as printed (docs/reproduce.md, FlexMoE, discusses what it does to Fig. 5);
+    paper as printed (`moe.flexmoe.policy: printed`); `flexmoe_policy.straggler_plan`, the
+    default, is the policy §3.3 describes;
   * Alg. 1 line 9 "Modify Expert Placement with Migrate" is made concrete as greedy swaps that
     move a vExpert of a replicated expert onto a GPU already holding that expert, while Eq. 5
     plus transfer cost predicts a gain (fewer GPUs to sync, or fewer tokens crossing GPUs);
@@ -38,7 +41,7 @@ Where this departs from the paper, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -211,6 +214,56 @@ class FlexCostModel:
         return self.step_time(counts, apply_ops(slots, ops)) + self.adjust_time(ops) / self.amortize_steps
 
 
+class StepCosts:
+    """Eq. 5 per GPU (`FlexCostModel.rank_times`, to rounding) of `counts` [G, E] (source GPU x expert) on `slots` [G, V], by expert column."""
+
+    def __init__(self, cost: FlexCostModel, counts: np.ndarray, slots: np.ndarray):
+        self.cost, self.counts = cost, counts
+        self.tokens = counts.sum(0)  # [E] I_e
+        self.n = vexpert_counts(slots, counts.shape[1])  # [G, E]
+        self.columns = self._column(np.arange(counts.shape[1]), self.n)  # [G, E]
+        self.times = self.columns.sum(1)  # [G]
+
+    def _column(self, experts, n: np.ndarray) -> np.ndarray:
+        """n [G, k] vExpert counts of `experts` -> [G, k] their part of each GPU's Eq. 5 time."""
+        c = self.cost
+        cap = self.tokens[experts] / n.sum(0)  # cap_e
+        capacity = n * cap  # [G, k] tokens computed (Alg. 3 fills every vExpert to cap_e)
+        received = capacity - np.minimum(capacity, self.counts[:, experts])  # remote part
+        held = n > 0
+        k = held.sum(0)
+        sync = 2 * (k - 1) / k * c.params_per_expert * c.seconds_per_param_sent  # Eq. 9, ring
+        return capacity * c.seconds_per_token + 4 * received * c.seconds_per_token_sent + held * sync
+
+    def times_after(self, delta: Dict[int, np.ndarray]) -> np.ndarray:
+        """delta {expert: Int[G] change of n_{e,.}} -> Float[G] Eq. 5 per GPU after it."""
+        experts = np.array(sorted(delta))
+        n = self.n[:, experts] + np.stack([delta[e] for e in experts], 1)
+        return self.times - self.columns[:, experts].sum(1) + self._column(experts, n).sum(1)
+
+
+def _delta(ops: Sequence[Op], slots: np.ndarray, num_ranks: int) -> Dict[int, np.ndarray]:
+    """The change of n_{e,g} that `ops` make, per expert they touch."""
+    delta: Dict[int, np.ndarray] = {}
+
+    def add(e: int, g: int, v: int) -> None:
+        if e >= 0:
+            delta.setdefault(e, np.zeros(num_ranks, dtype=np.int64))[g] += v
+
+    for op in ops:
+        if isinstance(op, Expand):
+            add(op.expert, op.dst_rank, 1)
+        elif isinstance(op, Shrink):
+            add(op.expert, op.rank, -1)
+        else:
+            other = int(slots[op.dst_rank, op.dst_slot])
+            add(op.expert, op.src_rank, -1)
+            add(op.expert, op.dst_rank, 1)
+            add(other, op.dst_rank, -1)
+            add(other, op.src_rank, 1)
+    return delta
+
+
 def _rank(slots: np.ndarray, rank: int) -> int:
     if not 0 <= rank < slots.shape[0]:
         raise ValueError(f"rank {rank} is outside the {slots.shape[0]} GPUs of the placement")
@@ -293,9 +346,9 @@ def propose_migration(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel
     expert held by several GPUs onto another GPU already holding it (exchanging it with a vExpert
     of another expert or a free slot there), or None when none beats the current step time."""
     slots = np.asarray(slots)
-    counts = _check_counts(counts, slots.shape[0])
-    held = vexpert_counts(slots, counts.shape[1]) > 0  # [G, E]
-    best_time, best = cost.step_time(counts, slots), None
+    steps = StepCosts(cost, _check_counts(counts, slots.shape[0]), slots)
+    held = steps.n > 0  # [G, E]
+    best_time, best = float(steps.times.max()), None
     for e in np.flatnonzero(held.sum(0) >= 2).tolist():
         for src in np.flatnonzero(held[:, e]).tolist():
             for dst in np.flatnonzero(held[:, e]).tolist():
@@ -303,21 +356,24 @@ def propose_migration(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel
                     if dst == src or other == e:
                         continue
                     op = Migrate(e, src, _first_slot(slots[src], e), dst, _first_slot(slots[dst], other))
-                    t1 = cost.predicted_time(counts, slots, [op])
+                    t1 = float(steps.times_after(_delta([op], slots, slots.shape[0])).max()) \
+                        + cost.adjust_time([op]) / cost.amortize_steps
                     if t1 < best_time:
                         best_time, best = t1, op
     return best
 
 
-def schedule(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel, threshold: float) -> List[Op]:
-    """Alg. 1 for one monitoring step: while Eq. 6 exceeds `threshold`, apply Alg. 2's plans until
-    it returns none (lines 2-8); then apply beneficial Migrates (line 9). Returns every op in order
-    (apply with `apply_ops`). Terminates: each accepted op strictly lowers the predicted step time."""
+def schedule(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel, threshold: float,
+             policy: Callable[[np.ndarray, np.ndarray, FlexCostModel], List[Op]] = make_scheduling_plan) -> List[Op]:
+    """Alg. 1 for one monitoring step: while Eq. 6 exceeds `threshold`, apply the policy maker's
+    plans (Alg. 2 as printed, or `flexmoe_policy.straggler_plan`) until it returns none (lines
+    2-8); then apply beneficial Migrates (line 9). Returns every op in order (apply with
+    `apply_ops`). Terminates: each accepted plan strictly lowers the predicted GPU times."""
     ops: List[Op] = []
     current = np.asarray(slots)
     tokens = _check_counts(counts, current.shape[0]).sum(0)
     while balance_ratio(tokens, current) > threshold:
-        plan = make_scheduling_plan(counts, current, cost)
+        plan = policy(counts, current, cost)
         if not plan:
             break
         ops += plan

@@ -21,10 +21,11 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.moe.balancers.base import Balancer
-from megatron_moe.moe.balancers.fastermoe import rows_per_rank
-from megatron_moe.moe.balancers.flexmoe_plan import flexible_routing
+from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
+from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexperts import integer_routing, optimizer_tensors, relocate, sync_replica_grads
+from megatron_moe.config.errors import ConfigError
 
 OP_KINDS = ("expand", "shrink", "migrate")
 
@@ -62,7 +63,7 @@ class SlotBalancer(Balancer):
     def after_optimizer_step(self, iteration: int, optimizer) -> int:
         self.window_iterations += 1
         self.last_moves = 0
-        if iteration % self.interval:
+        if not self.wants_decision(iteration):
             return 0
         window = torch.from_numpy(self.window)
         if self.state.edp_size > 1:  # every ep_esp group saw its own tokens: decide on their mean
@@ -72,12 +73,26 @@ class SlotBalancer(Balancer):
             relocate(self.table, new_slots, optimizer_tensors(self.experts.stacks(), optimizer), self.state.ep)
         return self.last_moves
 
+    def wants_decision(self, iteration: int) -> bool:
+        """Whether this iteration all-reduces the window and calls `decide` (every `interval`)."""
+        return iteration % self.interval == 0
+
+    def triggered(self, load: np.ndarray) -> bool:
+        """Whether `load` [ep, E] (rows per iteration) calls for a plan; the window keeps growing
+        (up to `interval` iterations) while it does not."""
+        return True
+
     def decide(self, window: np.ndarray) -> Optional[np.ndarray]:
         """The decision of one interval, without communication (the cluster simulator calls it too):
-        `window` [ep, E] = rows per (source EP rank, expert) summed over the interval's forwards and
+        `window` [ep, E] = rows per (source EP rank, expert) summed over the window's forwards and
         averaged over the ``edp`` groups -> the new slots Int[ep, V], or None when they stay.
-        Clears the window and counts the primitives (`ops_total`, `last_moves`)."""
+        Clears the window (when it plans, or once it holds `interval` iterations) and counts the
+        primitives (`ops_total`, `last_moves`)."""
         load = window / max(self.window_iterations, 1)  # [ep, E] rows per iteration
+        if not self.triggered(load):
+            if self.window_iterations >= self.interval:
+                self.window[:], self.window_iterations = 0.0, 0
+            return None
         self.window[:], self.window_iterations = 0.0, 0
         new_slots, ops = self.propose(load)
         for kind in OP_KINDS:
@@ -114,3 +129,10 @@ def ep_ranks_per_node(state) -> Optional[int]:
             nodes[q] != nodes[q - q % per_node] for q in range(group.size)):
         return None
     return per_node
+
+
+def check_options(checks) -> None:
+    """[(key under moe., value, ok, rule)]: ConfigError for the first not ok (FlexMoE's, EPLB's sections)."""
+    for key, value, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"moe.{key}={value} must be {rule}")

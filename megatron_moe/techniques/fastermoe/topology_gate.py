@@ -28,6 +28,8 @@ from typing import Tuple
 import torch
 
 from megatron_moe.moe.router import GATES, Router
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.validate import section_check
 
 
 def topology_select(probs: torch.Tensor, top_k: int, remote: torch.Tensor, budget: int
@@ -72,3 +74,13 @@ class TopologyRouter(Router):
         budget = math.floor(self.fraction * logits.shape[0] * self.top_k)
         expert_ids, weights = topology_select(probs, self.top_k, self.remote.to(logits.device), budget)
         return probs, expert_ids, weights
+
+
+@section_check("moe.topology_gate")
+def _check_topology_gate(cfg, world_size: int) -> None:
+    moe = cfg.moe
+    if moe.gate == "topology" and moe.schedule == "s1":
+        raise ConfigError("moe.gate=topology does not work with moe.schedule=s1 (S1 gates each TP rank's piece "
+                          "separately; the gate's budget covers the whole micro-batch): use s2 or auto")
+    if moe.topology_gate.bandwidth_ratio <= 0:
+        raise ConfigError(f"moe.topology_gate.bandwidth_ratio={moe.topology_gate.bandwidth_ratio} must be > 0")

@@ -9,8 +9,8 @@ from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `mo
             newest window)
     plan  = replicate the heaviest experts (by load per replica) into the redundant slots, pack
             the replicas onto ranks by balanced greedy packing; hierarchical (experts packed onto
-            nodes first) when `parallel.ranks_per_node` splits the ``ep`` group over nodes with
-            more than one EP rank on each
+            nodes first) per `moe.eplb.hierarchical` (`eplb_ranks_per_node`): by default only
+            when the gate is group-limited, as in DeepSeek's EPLB
 
 EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
 new experts keep the slots they already had, so only the cells that change move. The FlexMoE
@@ -23,8 +23,9 @@ from typing import Optional
 import numpy as np
 
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.balancers.eplb_plan import rebalance
-from megatron_moe.moe.balancers.vexpert_base import SlotBalancer, ep_ranks_per_node
+from megatron_moe.techniques.eplb.eplb_plan import rebalance
+from megatron_moe.techniques.flexmoe.vexpert_base import SlotBalancer, check_options, ep_ranks_per_node
+from megatron_moe.config.validate import section_check
 
 
 def eplb_slots_per_rank(cfg, ep_size: int) -> int:
@@ -33,6 +34,36 @@ def eplb_slots_per_rank(cfg, ep_size: int) -> int:
     if redundant is None:
         redundant = ep_size if ep_size > 1 else 0
     return (cfg.moe.num_experts + redundant) // ep_size
+
+
+HIERARCHICAL = ("auto", "true", "false")
+
+
+def group_limited(cfg) -> bool:
+    """Whether the gate routes each token to a limited set of expert groups (`moe.router_groups`
+    > 1 with `moe.router_group_topk`, moe/router.py)."""
+    return cfg.moe.router_groups > 1
+
+
+def eplb_ranks_per_node(cfg, state) -> Optional[int]:
+    """EP ranks per node for the hierarchical plan, or None for the global one. `moe.eplb.hierarchical`:
+    auto = hierarchical only under group-limited routing (DeepSeek ties the two: its node-limited
+    gate keeps a token's experts in few nodes, the plan keeps each group's replicas in its node);
+    true = whenever the ``ep`` group spans nodes; false = never. One EP rank per node: no replica
+    could stay inside its node (the plan would refuse any redundant slot), so the plan is global."""
+    mode = str(cfg.moe.eplb.hierarchical).lower()
+    if mode == "false" or (mode == "auto" and not group_limited(cfg)):
+        return None
+    per_node = ep_ranks_per_node(state)
+    return per_node if per_node is not None and per_node > 1 else None
+
+
+def check_eplb_config(cfg) -> None:
+    """`moe.eplb.hierarchical` (called by this technique's section check)."""
+    from megatron_moe.config.errors import ConfigError
+
+    if str(cfg.moe.eplb.hierarchical).lower() not in HIERARCHICAL:
+        raise ConfigError(f"moe.eplb.hierarchical={cfg.moe.eplb.hierarchical!r} must be one of auto, true, false")
 
 
 def keep_in_place(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -57,10 +88,7 @@ class EPLB(SlotBalancer):
         eplb = cfg.moe.eplb
         super().__init__(cfg, state, eplb_slots_per_rank(cfg, state.ep_size), eplb.interval)
         self.ema_weight = eplb.ema
-        per_node = ep_ranks_per_node(state)
-        # one EP rank per node: no replica could stay inside its node (the hierarchical plan would
-        # refuse any redundant slot), so plan flat
-        self.ranks_per_node = per_node if per_node is not None and per_node > 1 else None
+        self.ranks_per_node = eplb_ranks_per_node(cfg, state)
         self.average: Optional[np.ndarray] = None  # [E] moving average of rows per iteration
 
     def propose(self, load: np.ndarray):
@@ -70,8 +98,9 @@ class EPLB(SlotBalancer):
         plan, _ = rebalance(self.average, self.ep_size, self.slots_per_rank, self.ranks_per_node)
         old = self.table.slots
         new = keep_in_place(old, plan)
-        changed = new != old
-        return new, {"expand": int((changed & (new >= 0)).sum()), "shrink": int((changed & (old >= 0)).sum())}
+        # a changed slot is one move (its new expert copied from another rank; the old one is
+        # dropped by a tag): counted as FlexMoE counts its Expand, one primitive per transfer
+        return new, {"expand": int(((new != old) & (new >= 0)).sum())}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "average": None if self.average is None else self.average.tolist()}
@@ -79,3 +108,21 @@ class EPLB(SlotBalancer):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.average = None if state.get("average") is None else np.array(state["average"], dtype=np.float64)
+
+
+@section_check("moe.eplb")
+def _check_eplb(cfg, world_size: int) -> None:
+    """Enough slots for every expert, a sane schedule (checked with moe.balancer=eplb only)."""
+    moe, ep = cfg.moe, cfg.parallel.expert
+    if moe.balancer != "eplb":
+        return
+    check_eplb_config(cfg)
+    eplb = moe.eplb
+    redundant = eplb.redundant_slots if eplb.redundant_slots is not None else (ep if ep > 1 else 0)
+    check_options([("eplb.interval", eplb.interval, eplb.interval >= 1, ">= 1"),
+                   ("eplb.ema", eplb.ema, 0.0 < eplb.ema <= 1.0, "in (0, 1]"),
+                   ("eplb.redundant_slots", eplb.redundant_slots,
+                    redundant >= 0 and (moe.num_experts + redundant) % ep == 0
+                    and (moe.num_experts + redundant) // ep <= moe.num_experts,
+                    f">= 0 with moe.num_experts + it divisible by parallel.expert={ep} and at most "
+                    f"moe.num_experts slots per rank (or null = {ep if ep > 1 else 0})")])

@@ -1,0 +1,75 @@
+"""bf16 against fp32 over a run of the demo config (issue #29): the loss curves of
+`configs/gpt_moe_tiny.yaml` (what `make demo` trains, on the embedded corpus), one process, same
+seed and data, `training.precision=fp32` and `bf16`; every iteration's training loss logged.
+
+    python benchmarks/bf16_loss_curve.py                   # 300 iterations
+    python benchmarks/bf16_loss_curve.py --iters 50 training.micro_batch_size=4
+
+Reported: per precision the losses at a few iterations and the run time; over all iterations
+the relative gap |bf16 - fp32| / fp32: `max_rel_gap` (and where), `mean_rel_gap`,
+`iterations_over_1pct`; `max_rel_gap_smoothed`, the largest gap between the curves' running means
+of --window iterations (what a loss plot shows), and `final_rel_gap` of the last window's means. Prints one JSON object (docs/precision.md keeps one).
+"""
+import argparse
+import json
+import sys
+import tempfile
+
+from megatron_moe.config import load_config
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.perf import timing
+from megatron_moe.perf.machine import load_average, machine_info
+from megatron_moe.training.trainer import Trainer
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="dotted config overrides of both runs")
+    p.add_argument("--config", default="configs/gpt_moe_tiny.yaml")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--window", type=int, default=10, help="running-mean window of the smoothed gap")
+    return p.parse_args(argv)
+
+
+def run(args, precision: str, tmp: str):
+    cfg = load_config(args.config, [f"training.train_iters={args.iters}", "training.log_interval=1",
+                                    "training.eval_interval=0", "logging.tensorboard=false",
+                                    f"training.run_dir={tmp}/{precision}", f"training.precision={precision}"]
+                      + list(args.overrides))
+    trainer = Trainer(cfg, ParallelState.single_process())
+    with timing.wall() as took:
+        records = trainer.train()
+    return [r["loss"] for r in records], took.seconds
+
+
+def running_mean(xs, window):
+    return [sum(xs[max(0, i - window + 1): i + 1]) / len(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    machine = machine_info()
+    with tempfile.TemporaryDirectory() as tmp:
+        curves, seconds = {}, {}
+        for precision in ("fp32", "bf16"):
+            print(f"training {args.iters} iterations in {precision}", file=sys.stderr, flush=True)
+            curves[precision], seconds[precision] = run(args, precision, tmp)
+    fp32, bf16 = curves["fp32"], curves["bf16"]
+    gaps = [abs(b - f) / f for f, b in zip(fp32, bf16)]
+    smooth = {p: running_mean(c, args.window) for p, c in curves.items()}
+    smooth_gaps = [abs(b - f) / f for f, b in zip(smooth["fp32"], smooth["bf16"])]
+    marks = sorted({1, 10, 50, 100, 200, args.iters} & set(range(1, args.iters + 1)))
+    print(json.dumps({
+        "config": {"config": args.config, "iters": args.iters, "overrides": args.overrides, "window": args.window},
+        "machine": dict(machine, load_average=[machine["load_average"], load_average()]),
+        "loss_at": {p: {str(i): round(c[i - 1], 4) for i in marks} for p, c in curves.items()},
+        "seconds": {p: round(s, 1) for p, s in seconds.items()},
+        "max_rel_gap": round(max(gaps), 5), "max_rel_gap_iteration": gaps.index(max(gaps)) + 1,
+        "mean_rel_gap": round(sum(gaps) / len(gaps), 5), "iterations_over_1pct": sum(g > 0.01 for g in gaps),
+        "max_rel_gap_smoothed": round(max(smooth_gaps), 5),
+        "final_rel_gap": round(smooth_gaps[-1], 5)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

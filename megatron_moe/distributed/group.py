@@ -1,0 +1,29 @@
+"""`Group`: one process group as a rank sees it (built by `ParallelState`, used by every collective)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+
+@dataclass
+class Group:
+    """One process group as this rank sees it. `handle` is the torch ProcessGroup (None if the
+    process group machinery is not initialized, e.g. single process)."""
+
+    name: str
+    ranks: List[int]
+    rank: int  # index of this process within `ranks`
+    handle: Optional[Any] = None
+    ranks_per_node: Optional[int] = None  # RankLayout's: which members share this rank's node
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+    def off_node(self, index: int) -> bool:
+        """Is member `index` on another node than this rank (its traffic crosses the network)?"""
+        per_node = self.ranks_per_node or max(self.ranks) + 1
+        return self.ranks[index] // per_node != self.ranks[self.rank] // per_node

@@ -1,0 +1,89 @@
+"""AdamW with fp32 master weights for bf16 parameters (`training.precision: bf16`, docs/precision.md).
+
+Megatron-LM's `Float16OptimizerWithFloat16Params` (megatron/core/optimizer/optimizer.py): the
+optimizer keeps an fp32 master copy of every bf16 parameter, steps the masters with the fp32 main
+gradients (`model/precision.py`: `p.main_grad`, flat fp32 buffers that backward accumulates into)
+and copies the masters back into the bf16 parameters once per step. The update is torch's AdamW
+(`torch.optim.adam.adam(..., decoupled_weight_decay=True)`, the fused kernel where it runs), on
+fp32 tensors: the same arithmetic as the fp32 optimizer given the same gradients.
+
+State per parameter `p` (keyed by the bf16 parameter, as a torch optimizer's): "step",
+"exp_avg", "exp_avg_sq" (fp32) and "master" (fp32), created at construction. Checkpoints save
+"master" as the model's weights (training/checkpoint.py), vExpert moves carry it with the
+moments (moe/vexperts.py `optimizer_tensors`). `load_state_dict` keeps the state fp32.
+
+The distributed optimizer (training/distributed_optimizer.py) does the same on its shards: the
+fp32 master shard is what AdamW steps, next to the sharded moments.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch.optim.adam import adam
+
+from megatron_moe.model.precision import MainGrads, grad_of
+
+
+class MixedPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW over fp32 masters of bf16 parameters, gradients from their fp32 `main_grad` (module docstring)."""
+
+    def __init__(self, param_groups: List[dict], *, lr: float, betas, eps: float, fused: bool = False):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        self.fused = fused
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.main_grads = MainGrads(params)
+        for p in params:
+            self.state[p] = self.fresh_state(p)
+
+    @staticmethod
+    def fresh_state(p: torch.Tensor, master: torch.Tensor = None) -> dict:
+        master = p.detach().float() if master is None else master
+        return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master), "master": master}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the fp32 main gradients (autograd's `.grad` is folded into them and freed as it lands)."""
+        self.main_grads.zero_()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "MixedPrecisionAdamW takes no closure"
+        for group in self.param_groups:
+            params = group["params"]
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            masters = [st["master"] for st in states]
+            adam(
+                masters, [grad_of(p) for p in params], [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states], [], [st["step"] for st in states],
+                fused=self.fused or None, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            torch._foreach_copy_(params, masters)  # the bf16 weights the next forward uses
+        return None
+
+    @torch.no_grad()
+    def masters_to_params(self) -> None:
+        """After loading masters (checkpoints): the bf16 parameters from them."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        torch._foreach_copy_(params, [self.state[p]["master"] for p in params])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's format (`state_dict()`), but the state stays fp32: torch's own loader casts
+        floating state to the parameter's dtype (bf16)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError("MixedPrecisionAdamW.load_state_dict: the number of parameter groups differs")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, st in state_dict["state"].items():
+            p = params[int(index)]
+            master = st.get("master")
+            fresh = self.fresh_state(p, None if master is None else master.to(p.device, torch.float32).clone())
+            fresh.update({k: v.to(p.device, torch.float32).clone() for k, v in st.items() if k != "master"})
+            self.state[p] = fresh

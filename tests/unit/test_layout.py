@@ -1,0 +1,208 @@
+"""The package's shape (issue #28, docs/design.md §0): no import cycles, the dependency floors, no
+two modules with one name, no file over 500 lines.
+
+A static pass over every module's `import` statements (top level and inside functions;
+`from . import x` resolved; `from pkg import name` counts `pkg.name` when it is a module). Importing
+`a.b.c` runs `a/b/__init__.py` first, so it counts as importing the package `a.b` too (all but the
+top package, whose `__init__` imports nothing when it runs: PEP 562, lazy). The one
+import by name, `config/registry.py` `load_plugins` (`importlib.import_module` of `PLUGINS`), is not an
+edge: it loads the registrations of every floor once, and `megatron_moe/plugins.py` sits on the top
+floor, which no module imports statically.
+"""
+import ast
+import os
+from collections import defaultdict
+from typing import Dict, List, Optional, Set
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "megatron_moe")
+PACKAGE = "megatron_moe"
+MAX_LINES = 500
+
+# floor -> module prefixes, bottom first: a module imports only from its own floor and below
+FLOORS = [
+    ("config", ("config",)),
+    ("measurement and data basics", ("perf.timing", "perf.alpha_beta", "perf.hardware", "perf.machine", "data")),
+    ("distributed", ("distributed", "perf.rank_timing")),
+    ("tensor_parallel / model", ("tensor_parallel", "model")),
+    ("moe core", ("moe",)),
+    ("techniques", ("techniques", "perf.calibrate")),
+    ("training", ("training", "inference")),
+    ("tools", ("sim", "sweep", "convert", "plugins", "")),  # "": the package's lazy __init__
+]
+
+
+def module_files(root: str = ROOT) -> Dict[str, str]:
+    """{dotted module name: path} of every .py file under `root` (packages by their __init__)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".")
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def import_edges(modules: Dict[str, str]) -> Dict[str, Set[str]]:
+    """{module: modules it imports} over the package (every import statement, at any depth)."""
+    def owner(name: str) -> Optional[str]:  # the module that defines `name` (a module or a name in one)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: Dict[str, Set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        is_package = path.endswith("__init__.py")
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            targets: List[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = module.split(".")
+                    parts = parts if is_package else parts[:-1]
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for target in targets:
+                if target == PACKAGE or target.startswith(PACKAGE + "."):
+                    found = owner(target)
+                    while found is not None and found != PACKAGE:  # the module, then its packages
+                        if found != module and not module.startswith(found + "."):
+                            edges[module].add(found)
+                        found = found.rpartition(".")[0]
+    return edges
+
+
+def find_cycle(edges: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One import cycle [a, b, ..., a], or None (depth-first search, modules in sorted order)."""
+    state: Dict[str, int] = defaultdict(int)  # 0 new, 1 on the stack, 2 done
+    stack: List[str] = []
+
+    def visit(m: str) -> Optional[List[str]]:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state[n] == 1:
+                return stack[stack.index(n):] + [n]
+            if state[n] == 0:
+                found = visit(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if state[m] == 0:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def floor_of(module: str) -> int:
+    """Index in FLOORS of the longest prefix that matches `module` (without the package name); a
+    package whose modules lie on several floors (perf/) is on the lowest of them."""
+    name = module[len(PACKAGE) + 1:] if module != PACKAGE else ""
+    best, index = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".") or prefix == "") and len(prefix) > best:
+                best, index = len(prefix), i
+    below = [i for i, (_, prefixes) in enumerate(FLOORS) for p in prefixes if name and p.startswith(name + ".")]
+    return min(below) if below else index
+
+
+def short(module: str) -> str:
+    return module[len(PACKAGE) + 1:] or PACKAGE
+
+
+@pytest.fixture(scope="module")
+def graph():
+    modules = module_files()
+    return modules, import_edges(modules)
+
+
+def test_no_import_cycles(graph):
+    _, edges = graph
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(short(m) for m in cycle)
+
+
+def test_floors(graph):
+    _, edges = graph
+    upward = [f"{short(a)} ({FLOORS[floor_of(a)][0]}) imports {short(b)} ({FLOORS[floor_of(b)][0]})"
+              for a in sorted(edges) for b in sorted(edges[a]) if floor_of(b) > floor_of(a)]
+    assert not upward, "imports from a higher floor:\n" + "\n".join(upward)
+
+
+def test_plugins_are_loaded_by_name_only(graph):
+    """The registrations load through `registry.PLUGINS` by name; nothing imports them statically."""
+    from megatron_moe.config import registry
+
+    modules, edges = graph
+    for name in registry.PLUGINS:
+        assert name in modules, f"registry.PLUGINS names {name}, which does not exist"
+        assert floor_of(name) == len(FLOORS) - 1
+        importers = [short(m) for m in edges if name in edges[m]]
+        assert not importers, f"{short(name)} is imported statically by {importers}"
+
+
+def test_no_two_modules_share_a_name(graph):
+    modules, _ = graph
+    by_name = defaultdict(list)
+    for module, path in modules.items():
+        base = os.path.basename(path)
+        if base not in ("__init__.py", "base.py"):
+            by_name[base].append(short(module))
+    shared = {name: where for name, where in by_name.items() if len(where) > 1}
+    assert not shared, f"modules that share a name: {shared}"
+
+
+def test_no_file_over_500_lines(graph):
+    modules, _ = graph
+    long = {short(m): n for m, path in modules.items() if (n := sum(1 for _ in open(path))) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_find_cycle_names_the_cycle():
+    """The checker itself: a cycle through three modules is found and named in order."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(edges) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_config_alone_runs_every_section_check():
+    """A process that imports only `megatron_moe.config` still runs the techniques' rules (the
+    plugins load by name on first use), and its registries know every entry."""
+    import subprocess
+    import sys
+
+    code = ("from megatron_moe.config import ConfigError, load_config, validate_config\n"
+            "from megatron_moe.config.validate import SECTION_CHECKS\n"
+            "assert [name for name, _ in SECTION_CHECKS.items()] == list(SECTION_CHECKS.order)\n"
+            "try:\n"
+            "    validate_config(load_config(None, ['moe.saa=true']), 1)\n"
+            "except ConfigError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.join(ROOT, ".."))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "moe.saa=true needs moe.schedule s2 or auto, not 'baseline'"
+
+
+def test_a_hook_nobody_registered_is_an_error():
+    from megatron_moe.config.registry import Hooks
+
+    hooks = Hooks("test hook", ("registered", "forgotten"))
+    hooks.register("registered")(lambda: None)
+    with pytest.raises(RuntimeError, match="nothing registered 'forgotten'"):
+        list(hooks.items())
+    with pytest.raises(ValueError, match="'unknown' is not one of"):
+        hooks.register("unknown")

@@ -1,0 +1,213 @@
+"""bf16 training the Megatron way (issue #29, docs/precision.md), one process: bf16 parameters with
+fp32 main gradients, AdamW on fp32 masters equal to torch's AdamW in fp32, checkpoints that hold
+fp32 weights (fp32 <-> bf16 resume exactly, bf16 resumes bit for bit)."""
+import pytest
+import torch
+
+from megatron_moe.config import load_config
+from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.gpt import GPTMoEModel
+from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.model.precision import cast_params_
+from megatron_moe.training.distributed_optimizer import DistributedOptimizer
+from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
+from megatron_moe.training.optimizer import build_optimizer
+from megatron_moe.training.trainer import Trainer
+from tests.checkpoint_helpers import synthetic_datasets
+from tests.tiny_model import tiny_model_steps
+
+BASE = ["training.train_iters=4", "training.log_interval=1", "training.eval_interval=0",
+        "training.micro_batch_size=2", "training.global_batch_size=4", "model.seq_length=16",
+        "logging.tensorboard=false", "optimizer.warmup_iters=1", "model.vocab_size=128"]
+
+
+def _config(tmp, name, extra=()):
+    return load_config("configs/gpt_moe_tiny.yaml", BASE + [f"training.run_dir={tmp}/{name}", f"checkpoint.dir={tmp}/{name}-ckpt"]
+                       + list(extra))
+
+
+def _trainer(tmp, name, extra=()):
+    return Trainer(_config(tmp, name, extra), ParallelState.single_process(), datasets=synthetic_datasets)
+
+
+def test_bf16_model_accumulates_fp32_main_grads():
+    """Parameters bf16, gradients of two micro-batches summed in fp32 `main_grad`, nothing left
+    in `.grad`; router logits and the loss fp32."""
+    cfg = load_config("configs/gpt_moe_tiny.yaml", ["model.seq_length=8", "model.vocab_size=64", "moe.num_experts=4"])
+    one = ParallelState.single_process()
+    model = cast_params_(GPTMoEModel(cfg, one), "bf16")
+    optimizer = build_optimizer(model, cfg.optimizer)
+    assert isinstance(optimizer, MixedPrecisionAdamW)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    optimizer.zero_grad()
+    grads = []
+    for _ in range(2):
+        out = model(tokens, tokens)
+        assert out.lm_loss.dtype == torch.float32
+        (out.lm_loss + out.aux_loss).backward()
+        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    for name, p in model.named_parameters():
+        assert p.grad is None and p.main_grad.dtype == torch.float32, name
+        torch.testing.assert_close(grads[1][name], 2 * grads[0][name], rtol=1e-6, atol=1e-9)  # same batch twice
+
+
+def test_master_weights_step_like_fp32_adamw():
+    """MixedPrecisionAdamW on bf16 parameters with fp32 main gradients == torch's fused AdamW on
+    fp32 copies: the masters bit for bit, the parameters their bf16 rounding."""
+    one = ParallelState.single_process()
+    torch.manual_seed(0)
+    params = [make_param(ParamMeta("dense", (5, 3), role="weight"), one), make_param(ParamMeta("dense", (3,), role="bias"), one)]
+    for p in params:
+        p.data.normal_()
+    ref = [torch.nn.Parameter(p.detach().bfloat16().float()) for p in params]
+    groups = [{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+    for p in params:
+        p.data = p.data.bfloat16()
+    ours = MixedPrecisionAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    theirs = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
+                               lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    for step in range(3):
+        ours.zero_grad()
+        for p, r in zip(params, ref):
+            r.grad = torch.randn(r.shape, generator=torch.Generator().manual_seed(step))
+            p.main_grad.copy_(r.grad)
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):
+        assert torch.equal(ours.state[p]["master"], r.detach())
+        assert torch.equal(p.detach(), r.detach().bfloat16())
+        assert torch.equal(ours.state[p]["exp_avg_sq"], theirs.state[r]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_checkpoints_hold_fp32_weights_across_precisions(tmp_path, distributed):
+    """An fp32 run's checkpoint loads into a bf16 run's masters exactly (weights and moments), and
+    a bf16 run's checkpoint holds its masters: an fp32 run loads them as its weights; a bf16 run
+    resumed from its own checkpoint continues bit for bit."""
+    opt = ["optimizer.distributed=true"] if distributed else []
+    save = ["checkpoint.save_interval=2", "checkpoint.keep_last=0"]
+    fp32 = _trainer(tmp_path, "fp32", save + opt)
+    fp32.train()
+    at2 = f"{tmp_path}/fp32-ckpt/iter_0000002"
+    bf16 = _trainer(tmp_path, "bf16-from-fp32", ["training.precision=bf16", f"checkpoint.load={at2}",
+                                                 "training.train_iters=2"] + opt)
+    bf16.train()  # nothing left to run: the state is the loaded one
+    want = _trainer(tmp_path, "fp32-again", [f"checkpoint.load={at2}", "training.train_iters=2"] + opt)
+    want.train()
+    masters, moments = _masters_and_moments(bf16)
+    ref_weights = {n: p.detach() for n, p in want.model.named_parameters()}
+    _, ref_moments = _masters_and_moments(want)
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(master, ref_weights[name]), name
+        assert torch.equal(moments[name], ref_moments[name]), name
+        assert torch.equal(dict(bf16.model.named_parameters())[name].detach(), master.bfloat16()), name
+
+    records = _trainer(tmp_path, "bf16", ["training.precision=bf16"] + save + opt).train()
+    source = _trainer(tmp_path, "bf16-again", ["training.precision=bf16", "training.train_iters=4",
+                                               f"checkpoint.load={tmp_path}/bf16-ckpt/iter_0000002"] + opt)
+    assert [(r["loss"], r["grad_norm"]) for r in source.train()] == [(r["loss"], r["grad_norm"]) for r in records[2:]]
+    back = _trainer(tmp_path, "fp32-from-bf16", [f"checkpoint.load={tmp_path}/bf16-ckpt/iter_0000004"] + opt)
+    back.load_checkpoint()
+    masters, _ = _masters_and_moments(source)  # after its iteration 4: what the checkpoint of 4 holds
+    for name, p in back.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[name]), name
+
+
+def test_compile_and_recompute_in_bf16():
+    """`training.compile` and both recomputation levels in bf16 give the eager bf16 run's losses
+    and gradients up to bf16 rounding: recomputation repeats the same kernels (bitwise), Inductor
+    fuses element-wise work into other kernels that round differently (a few u = 2^-8 on the
+    loss, normwise on each gradient). Dropout 0.1 and capacity drops, two steps."""
+    u = 2.0 ** -8
+    bf16 = ["training.precision=bf16"]
+    plain = tiny_model_steps(bf16, steps=2)
+    for extra, loss_tol, grad_tol in ((["training.recompute=full"], 0.0, 0.0),
+                                      (["training.recompute=selective"], 0.0, 0.0),
+                                      (["training.compile=true"], 2 * u, 8 * u)):
+        got = tiny_model_steps(bf16 + extra, steps=2)
+        for a, b in zip(got, plain):
+            assert a.loss == pytest.approx(b.loss, rel=loss_tol, abs=0) and a.dropped == b.dropped, extra
+            for name, grad in b.grads.items():
+                assert grad.dtype == torch.float32
+                err = float((a.grads[name] - grad).norm() / grad.norm().clamp_min(1e-12))
+                assert err <= grad_tol, (extra, name, err)
+
+
+def _masters_and_moments(trainer):
+    """name -> fp32 weights (the masters in bf16 runs, else the parameters) and exp_avg, whole
+    (single process: a distributed optimizer's shard is the whole flat buffer)."""
+    opt = trainer.optimizer
+    named = dict(trainer.model.named_parameters())
+    if isinstance(opt, DistributedOptimizer):
+        weights, moments = {}, {}
+        for name, st in opt.sharded_states().items():
+            shape = named[name].shape
+            weights[name] = _whole(st.get("master"), shape) if "master" in st else named[name].detach()
+            moments[name] = _whole(st["exp_avg"], shape)
+        return weights, moments
+    weights = {n: opt.state[p]["master"] if "master" in opt.state.get(p, {}) else p.detach() for n, p in named.items()}
+    return weights, {n: opt.state[p]["exp_avg"] for n, p in named.items()}
+
+
+def _whole(boxes, shape):
+    out = torch.zeros(shape)
+    for view, offsets in boxes:
+        out[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] = view
+    return out
+
+
+@pytest.mark.parametrize("normalization", ["layernorm", "rmsnorm"])
+def test_bf16_norms_compute_in_fp32_and_keep_only_bf16_input(normalization):
+    """bf16 norms (model/norm.py): output and gradients of torch's fp32 norm on the same bf16
+    values, each rounded once to bf16 (within 1 ulp: fp32 reductions in another order); autograd
+    keeps the bf16 input and fp32 [rows, 1] statistics, no fp32 [rows, h] copy."""
+    from megatron_moe.model.norm import LayerNorm, RMSNorm
+
+    one = ParallelState.single_process()
+    norm = RMSNorm(64, one) if normalization == "rmsnorm" else LayerNorm(64, one)
+    gen = torch.Generator().manual_seed(0)
+    for p in norm.parameters():
+        p.data = (1 + 0.1 * torch.randn(p.shape, generator=gen))
+    cast_params_(norm, "bf16")
+    x = (3 * torch.randn(8, 5, 64, generator=gen) + 1).bfloat16().requires_grad_(True)
+    dy = torch.randn(8, 5, 64, generator=gen).bfloat16()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 or t.shape[-1] == 1 for t in saved if t.dim() == 3), \
+        [(t.dtype, tuple(t.shape)) for t in saved]
+    grads = torch.autograd.grad(y, [x, *norm.parameters()], dy)
+    x32 = x.detach().float().requires_grad_(True)
+    params32 = [p.detach().float().requires_grad_(True) for p in norm.parameters()]
+    if normalization == "rmsnorm":
+        y32 = torch.nn.functional.rms_norm(x32, (64,), params32[0], 1e-5)
+    else:
+        y32 = torch.nn.functional.layer_norm(x32, (64,), params32[0], params32[1], 1e-5)
+    want = torch.autograd.grad(y32, [x32, *params32], dy.float())
+    ulp = 2.0 ** -7  # bf16 spacing relative to the value (8 significant bits)
+    for got, ref in zip([y, *grads], [y32, *want]):
+        torch.testing.assert_close(got.float(), ref.bfloat16().float(), rtol=ulp, atol=ulp * float(ref.detach().abs().max()) * 1e-2)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_weights_only_checkpoint_loads_into_the_masters(tmp_path, distributed):
+    """A checkpoint without optimizer state (import-hf, upcycle: `write_model_checkpoint`) starts a
+    bf16 run with masters equal to its fp32 weights, not the seed's (the first step would
+    otherwise copy stale masters over the loaded weights)."""
+    from megatron_moe.convert.offline import write_model_checkpoint
+
+    cfg = _config(tmp_path, "src")
+    gen = torch.Generator().manual_seed(3)
+    fp32 = Trainer(cfg, ParallelState.single_process(), datasets=synthetic_datasets).model
+    weights = {n: torch.randn(p.shape, generator=gen) * 0.02 for n, p in fp32.named_parameters()}
+    for name, p in fp32.named_parameters():  # a padded vocabulary would cut rows; none here (vocab 128)
+        assert p.meta.valid_rows in (None, p.shape[0]), name
+    root = write_model_checkpoint(f"{tmp_path}/weights", cfg, weights)
+    bf16 = _trainer(tmp_path, "bf16", ["training.precision=bf16", f"checkpoint.load={root}"]
+                    + (["optimizer.distributed=true"] if distributed else []))
+    bf16.load_checkpoint()
+    masters, _ = _masters_and_moments(bf16)
+    for name, p in bf16.model.named_parameters():
+        assert torch.equal(masters[name], weights[name]) and torch.equal(p.detach(), weights[name].bfloat16()), name
