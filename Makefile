@@ -22,9 +22,12 @@ demo: setup
 	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo $(ARGS)
 
 # the CPU suite (gloo processes), on the CPU even on a GPU node; the gpu-marked tests are left to
-# test-gpu, the full multi-node set to test-cluster (its two smoke tests run here too)
+# test-gpu, the full multi-node set to test-cluster (its two smoke tests run here too).
+# TEST_WORKERS pytest-xdist workers, one test file each at a time (module fixtures spawn once):
+# a spawned test waits on process start-up and its ranks, so 2 workers keep 2 cores busy
+TEST_WORKERS ?= 2
 test: setup
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu and not cluster" tests
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu and not cluster" -n $(TEST_WORKERS) --dist loadfile tests
 
 # on a GPU node (a CUDA build of torch): the same exactness checks on NCCL with one process per GPU,
 # bf16, a benchmark smoke run (README, "On a GPU node"); skipped, with the reason, without GPUs

@@ -16,7 +16,8 @@ critical rank, per MoE layer time, balance ratio and replicas, and with pipeline
 predicted bubble next to the ideal (p - 1) / (v m + p - 1). Writes <out>/summary.json (and
 per-iteration details in <out>/<option>.json) and PNG plots; prints one JSON object on its last
 line. --recommend ranks the --option combinations (default: every one of
-`megatron_moe.sim.results.candidate_options()`) and prints the overrides of the fastest.
+`megatron_moe.sim.results.candidate_options()`; with parallel.tensor=1 the baseline schedule only)
+and prints the overrides of the fastest.
 docs/simulator.md has the model and every knob.
 """
 import argparse
@@ -27,7 +28,7 @@ import tempfile
 
 import torch
 
-from megatron_moe.config import ConfigError
+from megatron_moe.config import ConfigError, load_config
 from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.sim.results import candidate_options, plot, summarize, write_json
@@ -58,7 +59,14 @@ def option_name(option) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # the planners' tensors are small: more threads only contend for the cores
-    options = [re.split(r"[ ,]+", o.strip()) for o in args.option] or (candidate_options() if args.recommend else [[]])
+    options = [re.split(r"[ ,]+", o.strip()) for o in args.option]
+    if not options and args.recommend:
+        tensor = load_config(args.config, args.overrides).parallel.tensor
+        options = candidate_options(tensor)
+        if tensor == 1:
+            print("parallel.tensor=1: Parm's S1, S2 and auto run the baseline's communication, ranking the baseline "
+                  "schedule only", flush=True)
+    options = options or [[]]
     runs, skipped = {}, {}
     profile = load_profile(args.hardware)
     with tempfile.TemporaryDirectory() as workdir:

@@ -9,10 +9,12 @@
      "pipeline_idle_ms", "pipeline_bubble", "pipeline_bubble_ideal",   # 0 with one pipeline stage
      "bytes_per_iteration": {kind: bytes summed over ranks}}
 
-`candidate_options()` is what `--recommend` ranks: every schedule (baseline, s1, s2, s2 + SAA,
+`candidate_options(tensor)` is what `--recommend` ranks: every schedule (baseline, s1, s2, s2 + SAA,
 auto, auto + SAA) x balancer (none, fastermoe, proprophet, proprophet with its block-wise
 scheduler, flexmoe, eplb) x FasterMoE's smart schedule (off, on; not with SAA) x Lancet's dW
 scheduling (off, on), as config overrides; combinations the config rules refuse are skipped.
+With parallel.tensor=1 only the baseline schedule is ranked: Parm's S1, S2 and auto place the
+MP collectives, and with no MP they run the baseline's communication (120 combinations -> 24).
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ BALANCERS = [["moe.balancer=none"], ["moe.balancer=fastermoe"], ["moe.balancer=p
              ["moe.balancer=proprophet", "moe.proprophet.overlap=true"], ["moe.balancer=flexmoe"], ["moe.balancer=eplb"]]
 
 
-def candidate_options() -> List[List[str]]:
+def candidate_options(tensor: int) -> List[List[str]]:
+    schedules = SCHEDULES if tensor > 1 else SCHEDULES[:1]
     out = []
-    for schedule, balancer, smart, dw in itertools.product(SCHEDULES, BALANCERS, (False, True), (False, True)):
+    for schedule, balancer, smart, dw in itertools.product(schedules, BALANCERS, (False, True), (False, True)):
         if smart and "moe.saa=true" in schedule:
             continue
         out.append(schedule + balancer + [f"moe.smart_schedule={str(smart).lower()}",

@@ -89,9 +89,11 @@ def test_four_run_local_sweep_end_to_end(tmp_path):
         assert json.loads((run_dir / "complete.json").read_text())["train_iters"] == 4
         assert [r["iteration"] for r in records(run_dir)] == [1, 2, 3, 4]
         assert all(r["comm_bytes"]["all_to_all"] > 0 for r in records(run_dir))  # 2 ranks, expert parallel
-    # the seeds differ, a balancer does not change the math: same seed, same loss
+    # the seeds differ, a balancer does not change the math: same seed, same loss (within fp32
+    # rounding: shadowed experts sum their gradients in another order)
     loss = {n: records(sweep_dir / "runs" / n)[-1]["loss"] for n in names}
-    assert loss[names[0]] != loss[names[1]] and loss[names[0]] == loss[names[2]]
+    assert abs(loss[names[0]] - loss[names[1]]) > 1e-3
+    assert loss[names[0]] == pytest.approx(loss[names[2]], rel=1e-5)
     rows = check_report_matches_metrics(sweep_dir, names)
     md = (sweep_dir / "results.md").read_text()
     assert "| none | 2 (2) |" in md and "| fastermoe | 2 (2) |" in md and " ± " in md

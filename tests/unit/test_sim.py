@@ -249,11 +249,14 @@ def test_scale_target_with_a_generous_bound(balancer, iterations, one_thread):
 
 
 def test_candidate_options_cover_every_technique():
-    options = candidate_options()
+    options = candidate_options(tensor=2)
     assert len(options) == len(set(map(tuple, options))) == 6 * 6 * 2 * 2 - 2 * 6 * 2  # no smart with SAA
     for needle in ("moe.schedule=auto", "moe.saa=true", "moe.balancer=eplb", "moe.proprophet.overlap=true",
                    "moe.smart_schedule=true", "moe.lancet.defer_wgrad=true"):
         assert any(needle in option for option in options), needle
+    # without MP, Parm's schedules are the baseline: each balancer x smart x dW once
+    no_mp = candidate_options(tensor=1)
+    assert len(no_mp) == 6 * 2 * 2 and all(o[0] == "moe.schedule=baseline" and "moe.saa=true" not in o for o in no_mp)
 
 
 def test_simulate_cli_recommends_and_writes_plots(tmp_path):
