@@ -8,10 +8,11 @@ on the same Mixtral-shaped model and weights, and the step's pure matmul time (i
 The model is `configs/mixtral_tiny.yaml` with the issue's shape (4 layers, hidden 256, 4 heads,
 expert FFN 512, 8 experts top-2, vocab 1024, seq 256, micro-batch 8, dropless, fp32), changed by
 any dotted overrides given. Ours is built as training builds it (`GPTMoEModel`, `build_optimizer`:
-AdamW); HF's from `hf_config` with our initial weights copied in (`to_hf`, loaded by `from_pretrained`), AdamW (torch's
-default implementation) with the same hyper-parameters. Both get the same random tokens; the first
-step's losses are compared (`loss_diff`: the models compute the same function, so this is float
-rounding plus the aux loss, which only ours adds: both losses below are the language-model loss).
+AdamW); HF's from our initial weights written as a Mixtral directory (`convert/hf_common.write_hf`)
+and loaded by `from_pretrained`, AdamW (torch's default implementation) with the same
+hyper-parameters. Both get the same random tokens; the first step's losses are compared
+(`loss_diff`: the models compute the same function, so this is float rounding plus the aux loss,
+which only ours adds: both losses below are the language-model loss).
 
 A step is zero_grad, forward, backward (LM loss + ours: its aux loss), optimizer step. Steps
 alternate (ours, ours with `training.compile=true`, HF, ours, ...), --warmup of each first;
@@ -46,7 +47,8 @@ import tempfile
 import torch
 
 from megatron_moe.config import load_config
-from megatron_moe.convert.hf_mixtral import hf_config, to_hf, write_hf_dir
+from megatron_moe.convert.hf_common import write_hf
+from megatron_moe.convert.hf_mixtral import MIXTRAL
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
@@ -85,7 +87,8 @@ def build_hf(cfg, ours, dtype=torch.float32):
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:  # through HF's loader, which maps the checkpoint layout
-        write_hf_dir(tmp, hf_config(cfg), to_hf(cfg, {n: p.detach().float() for n, p in ours.named_parameters()}))
+        weights = {n: p.detach().float() for n, p in ours.named_parameters()}
+        write_hf(tmp, MIXTRAL, cfg, weights, lambda i: weights)
         hf = transformers.MixtralForCausalLM.from_pretrained(tmp, dtype=dtype)
     hf.train()
     o = cfg.optimizer

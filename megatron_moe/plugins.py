@@ -6,10 +6,12 @@ the registrations missing. Add a module here when it registers something.
 """
 # registries and entries of the shared floors
 import megatron_moe.data.tokenizers  # noqa: F401  (TOKENIZERS, "data.tokenizer.type")
+import megatron_moe.model.attention  # noqa: F401  ("model.attention")
 import megatron_moe.moe.balancers.base  # noqa: F401  (BALANCERS: "none", "moe.balancer")
 import megatron_moe.moe.layer  # noqa: F401  (FFN_LAYERS: "moe")
-import megatron_moe.moe.router  # noqa: F401  (GATES: "softmax", "moe.gate")
+import megatron_moe.moe.router  # noqa: F401  (GATES: "softmax", "moe.gate", "moe.router")
 import megatron_moe.moe.schedules.baseline  # noqa: F401  (SCHEDULES: "baseline", "moe.schedule")
+import megatron_moe.moe.shared_expert  # noqa: F401  ("moe.shared_expert")
 import megatron_moe.perf.calibrate  # noqa: F401  (STAGE_HOOKS: "perf.hardware_profile")
 import megatron_moe.perf.hardware  # noqa: F401  ("perf.hardware_profile")
 # the techniques

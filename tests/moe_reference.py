@@ -16,6 +16,11 @@ Math (one data-parallel micro-batch of n tokens, E experts, top-k):
   expert_e(v) = act(v w1[e] + b1[e]) w2[e] + b2[e], act = exact GeLU; for SwiGLU w1[e] [h, 2, f]
   and b1[e] [2, f] hold the gate ([:, 0]) and up ([:, 1]) projections: silu(gate) * up.
   aux = aux_coeff * E * sum_e (#choices of e / (n k)) * mean_t p_t,e + z_coeff * mean_t logsumexp(W_r x_t)^2.
+Variants (router.py, shared_expert.py): sigmoid scores s_t,e = sigmoid(W_r x_t)_e (p_t = s_t / sum_e s_t,e
+for the aux loss); choices by s + expert bias (weights from s); group-limited: only experts of the
+`router_group_topk` groups with the largest sums of their two best (s + bias) (ties: lower group);
+weights divided by their sum iff norm_topk_prob (default k > 1), times topk_scaling_factor; a shared
+expert adds sigmoid(w_g x_t) * fc2(act(fc1 x_t)) to every token.
 """
 from __future__ import annotations
 
@@ -78,6 +83,34 @@ def topology_choices(probs: List[torch.Tensor], k: int, remote: List[bool], budg
     return out
 
 
+def _choices(score: torch.Tensor, bias, moe, k: int) -> List[int]:
+    """Token's k experts by descending selection score (+ bias), group-limited if configured."""
+    choice = [float(score[e]) + (float(bias[e]) if bias is not None else 0.0) for e in range(len(score))]
+    allowed = range(len(score))
+    if moe.router_groups > 1:
+        size = len(score) // moe.router_groups
+        group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(moe.router_groups)]
+        best = sorted(range(moe.router_groups), key=lambda g: -group_score[g])[:moe.router_group_topk]
+        allowed = [e for e in allowed if e // size in best]
+    return sorted(allowed, key=lambda e: -choice[e])[:k]
+
+
+def _shared(v: torch.Tensor, weights: Dict[str, torch.Tensor], activation: str) -> torch.Tensor:
+    """The shared expert on one token: (gate) * fc2(act(fc1 v))."""
+    w1, b1 = weights["shared_expert.mlp.fc1.weight"], weights.get("shared_expert.mlp.fc1.bias")
+    if activation == "swiglu":  # fc1 [2, f, h]: (gate, up)
+        gate, up = (w1[j] @ v + (b1[j] if b1 is not None else 0) for j in range(2))
+        hidden = gate * torch.sigmoid(gate) * up
+    else:
+        hidden = _gelu(w1 @ v + (b1 if b1 is not None else 0))
+    out = weights["shared_expert.mlp.fc2.weight"] @ hidden
+    if "shared_expert.mlp.fc2.bias" in weights:
+        out = out + weights["shared_expert.mlp.fc2.bias"]
+    if "shared_expert.gate" in weights:
+        out = torch.sigmoid(weights["shared_expert.gate"][0] @ v) * out
+    return out
+
+
 def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config,
                   remote: Optional[List[bool]] = None, budget: int = 0) -> ReferenceOutput:
     """x [n, h] (one data-parallel micro-batch, tokens flattened in [b*s] order). With `remote`
@@ -86,22 +119,28 @@ def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config
     n, num_experts, k = x.shape[0], moe.num_experts, moe.top_k
     router = weights["router.weight"]
     logits = [router @ x[t] for t in range(n)]
-    probs = [torch.softmax(logit, dim=0) for logit in logits]
+    sigmoid = moe.score_function == "sigmoid"
+    scores = [torch.sigmoid(logit) if sigmoid else torch.softmax(logit, dim=0) for logit in logits]
+    probs = [score / score.sum() for score in scores] if sigmoid else scores  # for the aux loss
+    bias = weights.get("router.expert_bias")
+    norm = k > 1 if moe.norm_topk_prob is None else moe.norm_topk_prob
     capacity = None if moe.capacity_factor is None else math.ceil(moe.capacity_factor * n * k / num_experts)
     chosen_count, kept_count = [0] * num_experts, [0] * num_experts
     outputs = []
     gated = topology_choices([p.detach() for p in probs], k, remote, budget) if remote is not None else None
     for t in range(n):
-        choices = gated[t] if gated else sorted(range(num_experts), key=lambda e: -float(probs[t][e].detach()))[:k]
-        total = sum(probs[t][e] for e in choices)
+        choices = gated[t] if gated else _choices(scores[t].detach(), None if bias is None else bias.detach(), moe, k)
+        total = sum(scores[t][e] for e in choices)
         out = torch.zeros_like(x[t])
         for e in choices:
             chosen_count[e] += 1
             if capacity is not None and chosen_count[e] > capacity:
                 continue
             kept_count[e] += 1
-            weight = probs[t][e] if k == 1 else probs[t][e] / total
+            weight = (scores[t][e] / total if norm else scores[t][e]) * moe.topk_scaling_factor
             out = out + weight * _expert(x[t], e, weights, cfg.model.activation)
+        if "shared_expert.mlp.fc1.weight" in weights:
+            out = out + _shared(x[t], weights, cfg.model.activation)
         outputs.append(out)
     mean_prob = torch.stack(probs).mean(0)
     balance = num_experts * sum(chosen_count[e] / (n * k) * mean_prob[e] for e in range(num_experts))
@@ -124,6 +163,18 @@ def random_full_weights(cfg: Config, seed: int, router_std: float = 1.0, bias_st
     if m.bias:
         full["experts.b1"] = torch.randn(num_experts, *units, generator=gen) * bias_std
         full["experts.b2"] = torch.randn(num_experts, m.hidden_size, generator=gen) * bias_std
+    moe = cfg.moe
+    if moe.expert_bias:  # as if after some updates: it changes choices
+        full["router.expert_bias"] = torch.randn(num_experts, generator=gen) * 0.3
+    if moe.shared_expert_ffn_hidden_size:
+        f = moe.shared_expert_ffn_hidden_size
+        full["shared_expert.mlp.fc1.weight"] = torch.randn(*units[:-1], f, m.hidden_size, generator=gen) / math.sqrt(m.hidden_size)
+        full["shared_expert.mlp.fc2.weight"] = torch.randn(m.hidden_size, f, generator=gen) / math.sqrt(f)
+        if m.bias:
+            full["shared_expert.mlp.fc1.bias"] = torch.randn(*units[:-1], f, generator=gen) * bias_std
+            full["shared_expert.mlp.fc2.bias"] = torch.randn(m.hidden_size, generator=gen) * bias_std
+        if moe.shared_expert_gate:
+            full["shared_expert.gate"] = torch.randn(1, m.hidden_size, generator=gen)
     return full
 
 

@@ -3,7 +3,8 @@
 
     reshard    --input CKPT --output OUT --tensor T --expert E --expert-shard S
     reshard    --input CKPT --output FILE.safetensors --consolidated
-    export-hf  --input CKPT --output HF_DIR [--precision fp32|bf16]   (default: the run's training.precision)
+    export-hf  --input CKPT --output HF_DIR [--family mixtral|qwen2_moe|qwen3_moe|olmoe] [--max-shard-mb N]
+               [--precision fp32|bf16]   (default: the run's training.precision)
     import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [section.key=value ...]
     upcycle    --input DENSE_CKPT --num-experts N --output CKPT
     upgrade-swiglu --input OLD_CKPT --output CKPT   (SwiGLU checkpoints from before the halves layout)
@@ -28,12 +29,14 @@ def main(argv=None) -> int:
     p.add_argument("--expert", type=int, default=1)
     p.add_argument("--expert-shard", type=int, default=1)
     p.add_argument("--consolidated", action="store_true", help="write every global tensor into one safetensors file")
-    p = sub.add_parser("export-hf", help="Mixtral-shaped checkpoint -> Hugging Face Mixtral directory")
+    p = sub.add_parser("export-hf", help="checkpoint -> Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE directory")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
+    p.add_argument("--family", help="config.json model_type; default: from the model's shape (docs/checkpoints.md)")
+    p.add_argument("--max-shard-mb", type=int, default=5 * 1024, help="safetensors shard size limit (default 5 GiB)")
     p.add_argument("--precision", choices=["fp32", "bf16"],
                    help="dtype of the exported weights (default: the checkpoint's training.precision)")
-    p = sub.add_parser("import-hf", help="Hugging Face Mixtral directory -> checkpoint")
+    p = sub.add_parser("import-hf", help="Hugging Face MoE directory (family from its config.json) -> checkpoint")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--config", help="base YAML for the non-model settings (training, optimizer, ...)")
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
         elif args.command == "reshard":
             out = offline.reshard(args.input, args.output, args.tensor, args.expert, args.expert_shard)
         elif args.command == "export-hf":
-            offline.export_hf(args.input, args.output, args.precision)
+            offline.export_hf(args.input, args.output, args.family, args.max_shard_mb << 20, args.precision)
             out = args.output
         elif args.command == "import-hf":
             out = offline.import_hf(args.input, args.output, args.config, args.overrides)

@@ -17,6 +17,10 @@ class ModelConfig:
     hidden_size: int = 64
     ffn_hidden_size: int = 256  # dense FFN width (non-MoE layers)
     num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # grouped-query attention: key/value heads (divides the heads); null = MHA
+    head_dim: Optional[int] = None  # per-head width (Megatron kv_channels); null = hidden_size / num_attention_heads
+    qk_norm: str = "none"  # none | head (Qwen3: RMSNorm of each q / k head) | full (OLMoE: RMSNorm of the whole q / k projection)
+    qkv_bias: Optional[bool] = None  # biases of the q/k/v projection; null = model.bias (Qwen2-MoE: true, rest false)
     seq_length: int = 64
     vocab_size: int = 256  # padded up to a multiple of `parallel.tensor` internally
     dropout: float = 0.0  # attention-probability, residual and embedding dropout
@@ -91,6 +95,15 @@ class MoEConfig:
     aux_loss_coeff: float = 0.01  # Switch/GShard load-balancing loss
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     expert_ffn_hidden_size: Optional[int] = None  # null = model.ffn_hidden_size
+    score_function: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
+    norm_topk_prob: Optional[bool] = None  # scale the k chosen scores to sum to 1; null = when top_k > 1
+    topk_scaling_factor: float = 1.0  # combine weights x this (DeepSeek-V3's routed_scaling_factor)
+    expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only
+    expert_bias_rate: float = 1e-3  # bias += rate * sign(mean load - load) after every step
+    router_groups: int = 1  # group-limited routing: experts in this many contiguous groups; 1 = off
+    router_group_topk: Optional[int] = None  # tokens choose their experts among this many best groups (< router_groups)
+    shared_expert_ffn_hidden_size: Optional[int] = None  # shared experts (dense, every token): their FFN width; null = none
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output x sigmoid(x w_g), w_g [1, h]
     schedule: str = "baseline"  # registry: moe/schedules
     balancer: str = "none"  # registry: moe/balancers
     saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)

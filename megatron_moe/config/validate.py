@@ -6,7 +6,8 @@ Each failure is a `ConfigError` whose one-line message names the key(s) and the 
 This module holds the rules about the config tree itself (choices, positive sizes, how the
 parallel degrees divide the model and the world). Every other section is checked by the code that
 knows its rule, registered into `SECTION_CHECKS` next to that code (a registry's names, a
-technique's options, the pipeline, the checkpoint, the hardware profile). `validate_config` runs
+technique's options, attention heads and query groups, the router's and shared experts' keys, the
+pipeline, the checkpoint, the hardware profile). `validate_config` runs
 them at fixed points of `SECTION_CHECKS.order`, so the first broken rule is reported in the same
 order as always; loading the plugins (megatron_moe/config/registry.py) makes sure every one is registered.
 """
@@ -26,6 +27,7 @@ SECTION_CHECKS: Hooks = Hooks("config section check", (
     "parm", "moe.lancet.partitions", "moe.smart_schedule", "moe.fastermoe",
     "moe.proprophet", "moe.flexmoe", "moe.eplb", "perf.hardware_profile",
     "moe.topology_gate",  # after parallel.ranks_per_node
+    "model.attention", "moe.router", "moe.shared_expert",  # the architecture, after the degrees divide the world
     "parallel.pipeline_schedule", "optimizer.distributed",  # after the batch sizes
     "checkpoint",  # last
 ))
@@ -107,11 +109,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"parallel.expert*parallel.expert_shard={par.expert}*{par.expert_shard} does not divide the "
             f"{stage_size} ranks of a pipeline stage (world size {world_size} / parallel.pipeline)")
-    _divides("parallel.tensor", par.tensor, "model.num_attention_heads", m.num_attention_heads)
-    _divides("model.num_attention_heads", m.num_attention_heads, "model.hidden_size", m.hidden_size)
-    if m.position_embedding == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError("model.position_embedding=rope needs an even head dimension "
-                          "(model.hidden_size / model.num_attention_heads)")
+    _run_checks(cfg, world_size, ("model.attention", "moe.router", "moe.shared_expert"))
     _divides("parallel.tensor", par.tensor, "model.ffn_hidden_size", m.ffn_hidden_size)
     ffn_key = "moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
     _divides("parallel.expert_shard", par.expert_shard, ffn_key, expert_ffn_hidden_size(cfg))

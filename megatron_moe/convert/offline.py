@@ -7,10 +7,12 @@
 * `upcycle`: sparse upcycling (Komatsuzaki et al. 2023, §3.1): every expert of every layer starts
   as that layer's dense FFN, the router as initialized from the seed; with top-k weights that sum
   to one (top_k >= 2, renormalized) the MoE model computes exactly the dense model's function;
-* `export_hf` / `import_hf`: Hugging Face Mixtral (`convert/hf_mixtral.py`);
+* `export_hf` / `import_hf`: Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (`convert/hf_common.py`);
+  export streams layer by layer into safetensors shards, import reads tensors lazily;
 * `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
 
-Conversions work on full global tensors, so they need host memory for the whole checkpoint.
+Conversions work on full global tensors, so they need host memory for the whole checkpoint
+(`export_hf`: one layer's plus one output shard's).
 Parameter identities (global shape, sharding) come from building the single-process model.
 RNG states are dropped (they belong to ranks of the old layout); AdamW moments, step counts,
 iteration and consumed samples are kept by `reshard`; `upcycle` and `import_hf` start a fresh
@@ -188,27 +190,55 @@ def upcycle(path: str, num_experts: int, out_root: str) -> str:
 
 
 # -- Hugging Face -------------------------------------------------------------------------------
-def export_hf(path: str, out_dir: str, precision: Optional[str] = None) -> None:
-    """Checkpoint -> HF Mixtral directory with weights in `precision` (fp32 | bf16; default: the
-    run's `training.precision`). Checkpoints hold fp32 weights (a bf16 run's masters), so either
-    dtype is exported from the fp32 values, rounded once for bf16."""
-    from megatron_moe.convert import hf_mixtral
+def guess_family(cfg: Config) -> str:
+    """The HF family our config's shape names: QK-norm head -> qwen3_moe, full -> olmoe, a shared
+    expert -> qwen2_moe, else mixtral."""
+    if cfg.model.qk_norm == "head":
+        return "qwen3_moe"
+    if cfg.model.qk_norm == "full":
+        return "olmoe"
+    return "qwen2_moe" if cfg.moe.shared_expert_ffn_hidden_size else "mixtral"
+
+
+def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_bytes: int = 5 << 30,
+              precision: Optional[str] = None) -> None:
+    """Checkpoint (any layout) -> HF directory of `family` (default: `guess_family`), streamed one
+    layer's global tensors at a time into safetensors shards + index (convert/hf_common.py), with
+    weights in `precision` (fp32 | bf16; default: the run's `training.precision`). Checkpoints hold
+    fp32 weights (a bf16 run's masters), so either dtype is exported from the fp32 values, rounded
+    once for bf16."""
+    from megatron_moe.convert import hf_common as H
+    from megatron_moe.convert.hf_families import family_of
     from megatron_moe.model.precision import PARAM_DTYPES
 
-    path, weights = model_weights(path)
+    path = resolve_checkpoint(path)
     cfg = checkpoint_config(path, SINGLE)
+    fam = family_of(family or guess_family(cfg))
+    H.check_shape(fam, cfg)
     precision = precision or cfg.training.precision
     if precision not in PARAM_DTYPES:
         raise ValueError(f"export-hf --precision {precision}: expected one of {sorted(PARAM_DTYPES)}")
-    dtype = PARAM_DTYPES[precision]
-    tensors = {k: v.to(dtype) for k, v in hf_mixtral.to_hf(cfg, weights).items()}
-    hf_mixtral.write_hf_dir(out_dir, hf_mixtral.hf_config(cfg, dtype), tensors)
+    keys = [k for k in read_metadata(path).state_dict_metadata if k.startswith("model/")]
+
+    def load(keep) -> Dict[str, torch.Tensor]:
+        return {k[len("model/"):]: v for k, v in load_full(path, [k for k in keys if keep(k)]).items()}
+
+    H.write_hf(out_dir, fam, cfg, load(lambda k: not k.startswith("model/layers.")),
+               lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes, PARAM_DTYPES[precision])
 
 
 def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = ()) -> str:
-    """HF Mixtral directory -> our checkpoint; training settings from `base_config` (+ overrides)."""
-    from megatron_moe.convert import hf_mixtral
+    """HF directory (family from its config.json) -> our checkpoint; training settings from
+    `base_config` (+ overrides)."""
+    from megatron_moe.convert import hf_common as H
+    from megatron_moe.convert.hf_families import family_of
+    from megatron_moe.model.transformer import is_moe_layer
 
-    hf_cfg, tensors = hf_mixtral.read_hf_dir(hf_dir)
-    cfg = load_config(base_config, hf_mixtral.config_overrides_from_hf(hf_cfg) + SINGLE + list(overrides))
-    return write_model_checkpoint(out_root, cfg, hf_mixtral.from_hf(cfg, tensors))
+    reader = H.HFReader(hf_dir)
+    fam = family_of(reader.config.get("model_type"))
+    cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides))
+    H.check_shape(fam, cfg)
+    weights = H.outer_from_hf(cfg, reader.get)
+    for i in range(cfg.model.num_layers):
+        weights.update(H.layer_from_hf(fam, cfg, reader.get, reader.has, i, is_moe_layer(i, cfg.moe.layer_freq)))
+    return write_model_checkpoint(out_root, cfg, weights)

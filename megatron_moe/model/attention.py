@@ -1,10 +1,16 @@
-"""Multi-head self-attention split by heads across TP (Megatron-LM §3, Fig. 3b).
+"""Self-attention split by query groups across TP (Megatron-LM §3, Fig. 3b), MHA or grouped-query.
 
+Grouped-query attention (GQA, Ainslie et al. 2023, §2.2; `model.num_query_groups` = G, null = MHA
+with G = heads): the `heads` query heads share G key/value heads, heads / G queries per group.
 The QKV projection is column-parallel and the output projection row-parallel, so each TP rank
-computes `num_attention_heads / tp` whole heads and one all-reduce forms the output. The fused QKV
-weight [3h, h] orders its rows [head, (q|k|v), head_dim]: a contiguous TP shard of rows holds whole
-heads, whatever the tensor degree (layout-independent initialization).
+computes G / tp whole groups (heads / tp query heads) and one all-reduce forms the output. The
+fused QKV weight `[(heads + 2 G) d, h]` orders its rows `[group, (q_1 .. q_{heads/G} | k | v), d]`
+(Megatron's GQA layout; for MHA `[head, (q|k|v), d]`): a contiguous TP shard of rows holds whole
+groups, whatever the tensor degree (layout-independent initialization). Query head j uses key/value
+head j // (heads / G), as in HF's `repeat_kv`. `model.head_dim` may differ from hidden / heads
+(Qwen3-MoE): the output projection is then `[h, heads d]`.
 
+Optional QK-norm (`model.qk_norm`, model/qk_norm.py) normalizes q and k before rotary positions.
 Causal (GPT) or bidirectional (BERT) with an optional key padding mask; optional rotary positions.
 Without active dropout it calls torch SDPA; with attention-probability dropout in training it
 computes softmax explicitly so the mask comes from the TP-sharded dropout generator
@@ -17,11 +23,47 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_moe.config.schema import ModelConfig
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.schema import Config, ModelConfig
+from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm, maybe
 from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import apply_rotary, rotary_cos_sin
 from megatron_moe.tensor_parallel import ColumnParallelLinear, Dropout, DropoutRNG, RowParallelLinear
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def query_groups(cfg: ModelConfig) -> int:
+    return cfg.num_query_groups or cfg.num_attention_heads
+
+
+@section_check("model.attention")
+def check_attention_config(config: Config, world_size: int) -> None:
+    """Megatron's divisibility rules for heads, query groups and the tensor degree; `model.qk_norm`."""
+    cfg, tensor = config.model, config.parallel.tensor
+    heads, groups = cfg.num_attention_heads, query_groups(cfg)
+    if cfg.num_query_groups is not None and cfg.num_query_groups < 1:
+        raise ConfigError(f"model.num_query_groups={cfg.num_query_groups} must be >= 1 (or null for MHA)")
+    if cfg.head_dim is not None and cfg.head_dim < 1:
+        raise ConfigError(f"model.head_dim={cfg.head_dim} must be >= 1 (or null: hidden_size / num_attention_heads)")
+    if heads % groups:
+        raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
+    if heads % tensor:
+        raise ConfigError(f"parallel.tensor={tensor} does not divide model.num_attention_heads={heads}")
+    if groups % tensor:
+        raise ConfigError(f"parallel.tensor={tensor} does not divide model.num_query_groups={groups} "
+                          "(tensor parallelism splits the query groups)")
+    if cfg.head_dim is None and cfg.hidden_size % heads:
+        raise ConfigError(f"model.num_attention_heads={heads} does not divide model.hidden_size={cfg.hidden_size} "
+                          "(or set model.head_dim)")
+    if cfg.position_embedding == "rope" and head_dim(cfg) % 2:
+        raise ConfigError(f"model.position_embedding=rope needs an even head dimension, got {head_dim(cfg)} "
+                          "(model.head_dim or model.hidden_size / model.num_attention_heads)")
+    check_qk_norm(cfg)
 
 
 class SelfAttention(torch.nn.Module):
@@ -30,13 +72,16 @@ class SelfAttention(torch.nn.Module):
         """`recompute`: keep only q, k, v of the core attention and run it again in backward
         (`training.recompute=selective`, model/recompute.py)."""
         super().__init__()
-        h = cfg.hidden_size
-        self.head_dim = h // cfg.num_attention_heads
-        self.local_heads = cfg.num_attention_heads // state.tp_size
+        h, heads, groups = cfg.hidden_size, cfg.num_attention_heads, query_groups(cfg)
+        self.head_dim = d = head_dim(cfg)
+        self.local_heads, self.local_groups = heads // state.tp_size, groups // state.tp_size
+        self.per_group = heads // groups  # query heads per key/value head
         self.causal = causal
         self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
-        self.qkv = ColumnParallelLinear(h, 3 * h, state, bias=cfg.bias, std=cfg.init_std)
-        self.proj = RowParallelLinear(h, h, state, bias=cfg.bias, std=output_std)
+        qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, state, bias=qkv_bias, std=cfg.init_std)
+        self.q_norm, self.k_norm = build_qk_norms(cfg, state, heads, groups, d)
+        self.proj = RowParallelLinear(heads * d, h, state, bias=cfg.bias, std=output_std)
         self.attn_dropout = Dropout(cfg.dropout, rng, "sharded")
         self.rng, self.recompute = rng, recompute
 
@@ -44,11 +89,16 @@ class SelfAttention(torch.nn.Module):
         """x `[b, s, h]` replicated; padding_mask `[b, s]` (1 = real token, 0 = padding key) or None.
         Returns `[b, s, h]` replicated."""
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)  # [b, s, heads/tp, 3, d]
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads/tp, s, d]
+        qkv = self.qkv(x).view(b, s, self.local_groups, self.per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.per_group].reshape(b, s, self.local_heads, self.head_dim)  # [b, s, heads/tp, d]
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # each [b, s, G/tp, d]
+        q, k = maybe(self.q_norm, q), maybe(self.k_norm, k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads/tp | G/tp, s, d]
         if self.rope_theta is not None:
             cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.per_group > 1:  # query head j attends with key/value head j // per_group
+            k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
         if self.recompute:
             context = recomputed(self._attend, self.rng, x.device, q, k, v, padding_mask)  # [b, heads/tp, s, d]
         else:

@@ -105,14 +105,19 @@ class RMSNorm(torch.nn.Module):
         self.weight = make_param(ParamMeta("dense", (hidden_size,), init="ones", role="norm"), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        apex = _apex(x)
-        if _bf16(x, self.weight, apex):
-            return _Bf16Norm.apply(x, self.weight, None, self.eps, True)
-        if apex is not None:
-            y = apex[1](x.float(), self.weight.float(), x.shape[-1:], self.eps)
-        else:
-            y = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
-        return y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., d] with weight [d] by the module docstring's kernels (also QK-norm's, model/qk_norm.py)."""
+    apex = _apex(x)
+    if _bf16(x, weight, apex):
+        return _Bf16Norm.apply(x, weight, None, eps, True)
+    if apex is not None:
+        y = apex[1](x.float(), weight.float(), x.shape[-1:], eps)
+    else:
+        y = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
+    return y.to(x.dtype)
 
 
 def build_norm(cfg: ModelConfig, state: ParallelState) -> torch.nn.Module:

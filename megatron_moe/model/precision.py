@@ -1,6 +1,6 @@
 """bf16 parameters with fp32 main gradients, the way Megatron-LM's `--bf16` runs (docs/precision.md).
 
-* `cast_params_(model, "bf16")`: every parameter becomes bf16 in place (Megatron's `Float16Module`;
+* `cast_params_(model, "bf16")`: every trained parameter becomes bf16 in place (Megatron's `Float16Module`;
   the `Parameter` objects, their `ParamMeta` and other attributes stay). Activations follow the
   parameters' dtype. The router's logits / softmax / top-k, the losses, the norms' statistics,
   rotary embeddings and the attention softmax compute in fp32 and return the input's dtype
@@ -36,10 +36,13 @@ def param_dtype(precision: str) -> torch.dtype:
 
 @torch.no_grad()
 def cast_params_(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """Parameters to `precision`'s dtype in place (buffers keep theirs: rotary tables, masks)."""
+    """Trained parameters to `precision`'s dtype in place (buffers keep theirs: rotary tables,
+    masks). Frozen ones (`requires_grad` False: the router's expert bias, moe/expert_bias.py) stay
+    fp32: no optimizer keeps a master of them, they are updated in place by their own rule, and
+    bf16 would swallow updates below its spacing (Megatron-Core keeps its expert bias fp32 too)."""
     dtype = param_dtype(precision)
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
+        if p.is_floating_point() and p.dtype != dtype and p.requires_grad:
             p.data = p.data.to(dtype)
     return model
 

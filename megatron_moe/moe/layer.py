@@ -41,6 +41,7 @@ from megatron_moe.moe.replicas import fetch_replicas
 from megatron_moe.moe.router import GATES
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import RunHooks
+from megatron_moe.moe.shared_expert import SharedExpert
 from megatron_moe.moe.stats import MoEStats
 
 
@@ -54,6 +55,8 @@ class MoELayer(torch.nn.Module):
         self.experts = Experts(cfg, state, self.balancer.slots_per_rank)  # vExpert slots (FlexMoE, EPLB) or owners
         self.balancer.attach(self.experts)
         self.schedule = SCHEDULES.get(cfg.moe.schedule)(cfg, state)
+        # moe.shared_expert_ffn_hidden_size: dense shared experts, run during the dispatch all-to-all
+        self.shared_expert = SharedExpert(cfg, state) if cfg.moe.shared_expert_ffn_hidden_size else None
         self.state = state
         self.last_stats: Optional[MoEStats] = None
         # cross-layer scheduling (the balancer's `cross_layer`; Pro-Prophet's: techniques/proprophet/cross_layer.py):
@@ -76,7 +79,7 @@ class MoELayer(torch.nn.Module):
         b, s, h = x.shape
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
         if is_recomputing():  # training.recompute=full: the original forward again, nothing learned
-            return self._recompute(routed, b, s, h, x.dtype)
+            return self._recompute(routed, x.reshape(b * s, h), b, s, h, x.dtype)
         planner = _PlanRecorder(self.balancer)
         placement = self.schedule.place(routed, planner)
         if self.keeps_plans and torch.is_grad_enabled():
@@ -95,23 +98,39 @@ class MoELayer(torch.nn.Module):
                 observe()
                 observe = None
         cross_layer = self.balancer.cross_layer
-        hooks = RunHooks(_both(observe, while_dispatching),
+        shared, run_shared = self._shared(x.reshape(b * s, h))
+        hooks = RunHooks(_both(_both(observe, while_dispatching), run_shared),
                          lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()), while_combining)
-        y = self.schedule.run(routed, placement, self.experts, replicas, hooks)  # [b*s, h]
-        self.balancer.cross_layer.after_layer(self)
+        y = shared(self.schedule.run(routed, placement, self.experts, replicas, hooks))  # [b*s, h]
+        cross_layer.after_layer(self)
         stats = self.schedule.stats(routed, placement)
         stats.plan_seconds, stats.replica_times = self.balancer.last_plan_seconds, self.replica_times
         if self.experts.slot_table is not None:  # vExperts beyond one per expert (co-located ones too)
             stats.replicas = self.experts.slot_table.extra_vexperts
         self.last_stats = stats
+        if torch.is_grad_enabled() and self.router.expert_bias is not None:  # the step's loads (moe/expert_bias.py)
+            self.router.loads.add(stats.tokens_per_expert)
         return y.to(x.dtype).view(b, s, h), routed.routing.aux_loss
 
-    def _recompute(self, routed, b: int, s: int, h: int, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _shared(self, x: torch.Tensor) -> Tuple[Callable[[torch.Tensor], torch.Tensor], Optional[Callable[[], None]]]:
+        """(add the shared experts' output of x `[n, h]` to the routed output `[n, h]`, the callback
+        computing it: a RunHooks one, so that it runs while the dispatch all-to-all is in flight)."""
+        if self.shared_expert is None:
+            return (lambda y: y), None
+        out, grad_enabled = [], torch.is_grad_enabled()
+
+        def run() -> None:  # all-to-alls call it inside their autograd Function's forward (autograd off)
+            with torch.set_grad_enabled(grad_enabled):
+                out.append(self.shared_expert(x))
+        return (lambda y: y + out[0]), run
+
+    def _recompute(self, routed, x, b: int, s: int, h: int, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """This layer's forward run again in backward (model/recompute.py): the placements the
         original forward planned (the balancer may have moved on), no observe, no prefetch, no stats."""
         placement = self.schedule.place(routed, _PlanReplay(self.planned.popleft()))
         replicas = fetch_replicas(self.experts, placement, self.state, C.TimeSink())
-        y = self.schedule.run(routed, placement, self.experts, replicas)
+        shared, run_shared = self._shared(x)
+        y = shared(self.schedule.run(routed, placement, self.experts, replicas, RunHooks(run_shared)))
         return y.to(dtype).view(b, s, h), routed.routing.aux_loss
 
 

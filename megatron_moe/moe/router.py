@@ -1,11 +1,21 @@
-"""Softmax top-k router (DESIGN.md §4): gate, top-k, capacity drops, load-balancing and z losses.
+"""Top-k router (DESIGN.md §4): gate, top-k, capacity drops, load-balancing and z losses.
 
-* Gate: logits = x W_r^T with W_r [E, h] a dense parameter replicated across TP; logits, softmax
+* Gate: logits = x W_r^T with W_r [E, h] a dense parameter replicated across TP; logits, scores
   and losses run in fp32 even under bf16 autocast.
-* Top-k: k=1 is Switch (Fedus et al. 2021): the combine weight is the top-1 probability itself.
-  k>1 is GShard (Lepikhin et al. 2020): the k chosen probabilities are renormalized to sum to 1.
-  Renormalization happens before capacity drops, so a dropped assignment keeps its share of the
-  weight and contributes nothing (its token only passes through the residual connection).
+* Scores (`moe.score_function`): softmax over the experts (default), or sigmoid of each logit
+  (DeepSeek-V3, Liu et al. 2024, Eq. 15).
+* Selection: the k experts with the highest score; with `moe.expert_bias` (expert_bias.py) the
+  highest score + bias (DeepSeek-V3 Eq. 16: the bias steers selection only); with group-limited
+  routing (`moe.router_groups` G, `moe.router_group_topk` M; DeepSeek-V3 §2.1.2 node-limited
+  routing) only among the experts of each token's M best groups, the E / G contiguous experts of a
+  group scored by the sum of its two highest (selection) scores (DeepSeek-V3's rule; Megatron uses
+  the top k / M), the other experts masked to -inf.
+* Combine weights: the chosen (unbiased) scores; `moe.norm_topk_prob` (null = when k > 1)
+  divides them by their sum: k=1 without it is Switch (Fedus et al. 2021), the weight is the top-1
+  probability; k>1 with it is GShard (Lepikhin et al. 2020) / Mixtral; Qwen2-MoE and OLMoE keep the
+  raw probabilities. Then x `moe.topk_scaling_factor`. Weights are fixed before capacity drops, so
+  a dropped assignment keeps its share of the weight and contributes nothing (its token only passes
+  through the residual connection).
 * Capacity (`moe.capacity_factor` = f, null = dropless): C = ceil(f * n * k / E) assignments per
   expert for a data-parallel micro-batch of n tokens. Drops are by position, token-major: expert
   e keeps the first C tokens (in flattened [b*s] order) that chose it, whatever the choice's rank
@@ -14,7 +24,8 @@
   gets the same drops by passing each piece the per-expert counts of the pieces before it
   (`prior_counts`, as Lancet §5 passes counts between partitions; `GatePartition`).
 * Aux loss (Switch Eq. 4 / GShard): E * sum_e f_e * P_e, f_e = assignments to e / (n k) before
-  drops, P_e = mean router probability of e; 1.0 when perfectly balanced.
+  drops, P_e = mean router probability of e (sigmoid scores: each token's scores divided by their
+  sum, DeepSeek-V3 Eq. 18); 1.0 when perfectly balanced.
 * z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): mean over tokens of logsumexp(logits)^2.
 * Partitions (Lancet §5, `GatePartition`): a router whose `partition` is set routes one batch part
   of a micro-batch at a time with the whole micro-batch's capacity and positions, and leaves the
@@ -29,11 +40,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.registry import Registry
 from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.param_meta import ParamMeta, make_param
-from megatron_moe.config.registry import Registry
+from megatron_moe.moe.expert_bias import LoadCounter, make_expert_bias
 
 
 @dataclass
@@ -68,12 +81,69 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), weight.float())
 
 
-def top_k_gating(logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 logits [n, E] -> (probs [n, E], expert_ids [n, k], combine weights [n, k])."""
-    probs = torch.softmax(logits, dim=-1)
-    top_probs, expert_ids = torch.topk(probs, top_k, dim=-1)
-    weights = top_probs / top_probs.sum(-1, keepdim=True) if top_k > 1 else top_probs
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def group_limited(choice: torch.Tensor, groups: int, group_topk: int) -> torch.Tensor:
+    """Selection scores [n, E] with the experts outside each token's `group_topk` best groups (of
+    `groups` contiguous ones, scored by the sum of their two highest scores) set to -inf."""
+    n, num_experts = choice.shape
+    grouped = choice.view(n, groups, num_experts // groups)  # [n, G, E/G]
+    group_scores = grouped.topk(min(2, num_experts // groups), dim=-1).values.sum(-1)  # [n, G]
+    best = group_scores.topk(group_topk, dim=-1).indices  # [n, M]
+    allowed = torch.zeros(n, groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return grouped.masked_fill(~allowed[..., None], float("-inf")).view(n, num_experts)
+
+
+def top_k_gating(logits: torch.Tensor, top_k: int, *, score_function: str = "softmax",
+                 norm_topk_prob: Optional[bool] = None, scaling: float = 1.0,
+                 selection_bias: Optional[torch.Tensor] = None, groups: int = 1,
+                 group_topk: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 logits [n, E] -> (probs [n, E] for the aux loss, expert_ids [n, k], combine weights
+    [n, k]) by the module docstring's rules."""
+    scores = torch.softmax(logits, dim=-1) if score_function == "softmax" else torch.sigmoid(logits)
+    choice = scores.detach() if selection_bias is None else scores.detach() + selection_bias
+    if groups > 1:
+        choice = group_limited(choice, groups, group_topk)
+    expert_ids = torch.topk(choice, top_k, dim=-1).indices  # [n, k] by descending selection score
+    weights = scores.gather(1, expert_ids)
+    if top_k > 1 if norm_topk_prob is None else norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
+    probs = scores if score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
     return probs, expert_ids, weights
+
+
+@section_check("moe.router")
+def check_router_config(cfg: Config, world_size: int) -> None:
+    """One-line errors for the score function, expert bias and group-limited routing keys."""
+    moe = cfg.moe
+    if moe.score_function not in SCORE_FUNCTIONS:
+        raise ConfigError(f"moe.score_function={moe.score_function!r} must be one of {', '.join(SCORE_FUNCTIONS)}")
+    if moe.topk_scaling_factor <= 0 or moe.expert_bias_rate < 0:
+        raise ConfigError(f"moe.topk_scaling_factor={moe.topk_scaling_factor} must be > 0 and "
+                          f"moe.expert_bias_rate={moe.expert_bias_rate} >= 0")
+    if moe.router_groups < 1 or moe.num_experts % moe.router_groups:
+        raise ConfigError(f"moe.router_groups={moe.router_groups} must be >= 1 and divide moe.num_experts={moe.num_experts}")
+    variant = {"moe.score_function": moe.score_function != "softmax", "moe.expert_bias": moe.expert_bias,
+               "moe.router_groups": moe.router_groups > 1, "moe.norm_topk_prob": moe.norm_topk_prob is not None,
+               "moe.topk_scaling_factor": moe.topk_scaling_factor != 1.0}
+    if moe.gate != "softmax" and any(variant.values()):
+        key = next(k for k, on in variant.items() if on)
+        raise ConfigError(f"{key}={getattr(moe, key.split('.')[1])} needs moe.gate=softmax "
+                          f"(the {moe.gate} gate makes its own choices)")
+    topk = moe.router_group_topk
+    if moe.router_groups == 1:
+        if topk is not None:
+            raise ConfigError(f"moe.router_group_topk={topk} needs moe.router_groups > 1")
+        return
+    if topk is None or not 1 <= topk <= moe.router_groups:
+        raise ConfigError(f"moe.router_group_topk={topk} must be in 1..moe.router_groups={moe.router_groups} "
+                          "with group-limited routing")
+    if topk * (moe.num_experts // moe.router_groups) < moe.top_k:
+        raise ConfigError(f"moe.router_group_topk={topk} groups of {moe.num_experts // moe.router_groups} experts "
+                          f"hold fewer than moe.top_k={moe.top_k}")
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: Optional[float]) -> Optional[int]:
@@ -167,6 +237,11 @@ class Router(torch.nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.weight = make_param(ParamMeta("dense", (moe.num_experts, cfg.model.hidden_size),
                                            std=cfg.model.init_std, role="weight"), state)  # W_r [E, h], replicated
+        self.scoring = dict(score_function=moe.score_function, norm_topk_prob=moe.norm_topk_prob,
+                            scaling=moe.topk_scaling_factor, groups=moe.router_groups, group_topk=moe.router_group_topk)
+        # moe.expert_bias (expert_bias.py): frozen [E] selection bias and the loads since its last update
+        self.expert_bias = make_expert_bias(moe.num_experts, state) if moe.expert_bias else None
+        self.loads = LoadCounter()
         # measurement hook, no config key: a fixed fp32 [E] bias added to the logits so benchmarks can
         # create skewed routing (benchmarks/moe_layer.py --skew); None in training
         self.logit_bias: Optional[torch.Tensor] = None
@@ -179,8 +254,8 @@ class Router(torch.nn.Module):
 
     def select(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 logits [n, E] -> (probs [n, E], expert_ids [n, k], combine weights [n, k]): the
-        gate's choice (softmax top-k; `moe.gate` registers others)."""
-        return top_k_gating(logits, self.top_k)
+        gate's choice (top-k by the module docstring; `moe.gate` registers others)."""
+        return top_k_gating(logits, self.top_k, selection_bias=self.expert_bias, **self.scoring)
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity for `num_tokens` tokens (those of the whole micro-batch when routing a part)."""

@@ -5,7 +5,8 @@ model chunk), and Lancet's partitioned forward (§5), built as `Op`s from the mo
 Per token and rank (n tokens, h hidden, s sequence, f dense FFN width, V vocabulary, tp = N_MP),
 forward FLOPs (backward: twice; its weight-gradient half is what Lancet may defer):
 
-    attention  2 (4 h^2) / tp + 2 (2 s h) / tp      (QKV and output projections; scores and mix)
+    attention  2 (h (a + 2 G) d + a d h) / tp + 2 (2 s a d) / tp   (QKV and output projections; scores
+               and mix; a heads of width d, G query groups: 2 (4 h^2) / tp + 2 (2 s h) / tp for MHA)
     dense FFN  2 (2 h f) / tp, SwiGLU 2 (3 h f) / tp
     gate       2 h E
     head       2 h V / tp                           (the output layer)
@@ -28,6 +29,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from megatron_moe.model.attention import head_dim, query_groups
 from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, MoECost, Segment, best_partitioning, fixed_partitioning,
                                                  pipeline_time)
 from megatron_moe.sim.ops import Op, OpBuilder
@@ -38,8 +40,10 @@ class DenseModel:
         self.cfg, self.b, self.tokens = cfg, b, tokens
         m, lay = cfg.model, b.world.layout
         h, s, tp = m.hidden_size, m.seq_length, lay.tensor
-        self.attention_flops = (2 * 4 * h * h + 2 * 2 * s * h) / tp
-        self.attention_weight_share = 4 * h * h / (4 * h * h + 2 * s * h)
+        heads, d, groups = m.num_attention_heads, head_dim(m), query_groups(m)
+        projections = h * (heads + 2 * groups) * d + heads * d * h  # QKV + output weights
+        self.attention_flops = (2 * projections + 2 * 2 * s * heads * d) / tp
+        self.attention_weight_share = projections / (projections + 2 * s * heads * d)
         self.ffn_flops = 2 * (3 if m.activation == "swiglu" else 2) * h * m.ffn_hidden_size / tp
         self.head_flops = 2 * h * m.vocab_size / tp
         self.gate_flops = 2 * h * cfg.moe.num_experts

@@ -123,13 +123,19 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> Dict
             "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(())}
 
 
+def trained_parameters(model: torch.nn.Module):
+    """(name, parameter) of the parameters the optimizer steps: frozen ones (the expert bias,
+    moe/expert_bias.py) have no AdamW state nor master; the model entries save them as they are."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def optimizer_entries(model: torch.nn.Module, optimizer, state: ParallelState,
                       adam_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> Dict[str, ShardedEntry]:
     """AdamW state per parameter name; `adam_states` (name -> tensors) overrides the live state.
     A distributed optimizer offers its shards' parts (views: loading fills them)."""
     sharded = optimizer.sharded_states() if isinstance(optimizer, DistributedOptimizer) else None
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in trained_parameters(model):
         if sharded is not None:
             st = sharded[name]
             for key in ("exp_avg", "exp_avg_sq"):
@@ -342,9 +348,9 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
         else:  # fp32 moments (and, bf16 runs, fp32 masters) whatever the parameters' dtype
             adam_states = {name: {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
                                   "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
-                                  "step": torch.zeros((), dtype=torch.float32)} for name, p in model.named_parameters()}
+                                  "step": torch.zeros((), dtype=torch.float32)} for name, p in trained_parameters(model)}
             if hasattr(optimizer, "masters_to_params"):
-                for name, p in model.named_parameters():
+                for name, p in trained_parameters(model):
                     adam_states[name]["master"] = torch.zeros_like(p, dtype=torch.float32)
     masters = master_weights(model, optimizer, adam_states)  # also for weights-only checkpoints
     entries = model_entries(model, state, masters)  # fp32 checkpoints load into bf16 runs' masters

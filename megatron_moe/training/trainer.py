@@ -40,6 +40,7 @@ from megatron_moe.training.completion import clear_complete_marker, write_comple
 from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
 from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
+from megatron_moe.moe.expert_bias import update_expert_biases
 from megatron_moe.moe.stats import IterationMoEStats
 from megatron_moe.moe.vexperts import MOVE_KIND
 from megatron_moe.moe.schedules import A2A_KINDS
@@ -218,6 +219,7 @@ class Trainer:
         moe_layers = self.model.moe_layers()
         for layer in moe_layers:  # vExperts: the slots of an expert sum their gradients
             layer.balancer.before_grad_sync()
+        update_expert_biases(moe_layers, self.state, self.cfg.moe.expert_bias_rate)  # moe.expert_bias
         self.grads.sync()
         grad_norm = self.grads.clip(self.cfg.optimizer.clip_grad)
         comm_bytes = collectives.COMM_STATS.bytes_by_kind()

@@ -28,7 +28,16 @@ CASES = [  # (capacity_factor, top_k, activation, bias)
     (1.0, 2, "swiglu", True),
     (1.0, 1, "gelu", False),
     (None, 1, "swiglu", False),
+    (1.0, 1, "swiglu", False),  # + VARIANTS[4]
+    (1.0, 2, "gelu", True),  # + VARIANTS[5]
 ]
+VARIANTS = {  # moe.* keys of a case beyond the plain softmax router
+    # DeepSeek-V3-like: sigmoid scores, expert bias, group-limited (2 groups of 2, the best one), scaled, shared expert
+    4: dict(score_function="sigmoid", expert_bias=True, router_groups=2, router_group_topk=1, norm_topk_prob=False,
+            topk_scaling_factor=2.5, shared_expert_ffn_hidden_size=8),
+    # Qwen2-MoE-like: raw top-k probabilities, a gated shared expert
+    5: dict(norm_topk_prob=False, shared_expert_ffn_hidden_size=8, shared_expert_gate=True),
+}
 
 
 def case_config(index: int) -> Config:
@@ -37,6 +46,8 @@ def case_config(index: int) -> Config:
     cfg.model.hidden_size, cfg.model.activation, cfg.model.bias = H, activation, bias
     cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor = E, top_k, capacity_factor
     cfg.moe.expert_ffn_hidden_size, cfg.moe.aux_loss_coeff, cfg.moe.z_loss_coeff = FFN, 0.1, 0.01
+    for key, value in VARIANTS.get(index, {}).items():
+        setattr(cfg.moe, key, value)
     return cfg
 
 
@@ -65,7 +76,7 @@ def run_layer(state, cfg: Config, full, xs, gs, balancer=None) -> Dict:
     x = xs[d].clone().to(device()).requires_grad_(True)
     y, aux = layer(x)
     ((y * gs[d].to(device())).sum() + aux).backward()
-    params = dict(layer.named_parameters())
+    params = {n: p for n, p in layer.named_parameters() if p.requires_grad}  # not the expert bias
     return dict(y=y.detach(), aux=aux.detach(), dx=x.grad, stats=layer.last_stats,
                 grads={n: p.grad for n, p in params.items()},
                 meta={n: (p.meta.kind, p.meta.local_slices(state)) for n, p in params.items()})

@@ -25,6 +25,7 @@ LAYOUTS = [(2, dict(expert=2)), (4, dict(tensor=2, expert=2, expert_shard=2))]
 RUNS = [  # (schedule, saa, smart schedule, case)
     ("baseline", False, False, 0), ("baseline", False, False, 1), ("s1", False, False, 2), ("s2", True, False, 1),
     ("auto", True, False, 0), ("s2", False, True, 3),
+    ("s2", True, False, 4), ("baseline", False, False, 5),  # router variants + shared experts (moe_cases.VARIANTS)
 ]
 
 

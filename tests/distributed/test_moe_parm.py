@@ -33,6 +33,7 @@ RUNS = [  # (moe.schedule, moe.saa, case index): each schedule dropless and with
     ("s2", False, 0), ("s2", False, 2),
     ("s2", True, 1), ("s2", True, 3),
     ("auto", True, 0), ("auto", True, 1), ("auto", False, 2), ("auto", False, 3),
+    ("s1", False, 4), ("s2", True, 5), ("auto", True, 4),  # router variants + shared experts (moe_cases.VARIANTS)
 ]
 PATTERNS = [("balanced", "s2"), ("skewed", "s1")]  # auto's routing pattern -> Alg. 1's pick
 COMM_RUNS = [("s1", False), ("s2", False), ("s2", True)]

@@ -29,6 +29,7 @@ SHADOWED = (0, E - 1)
 RUNS = [  # (schedule, saa, case): dropless and capacity with drops; gelu + bias and swiglu
     ("baseline", False, 0), ("baseline", False, 1),
     ("s1", False, 2), ("s2", False, 0), ("s2", True, 1), ("auto", True, 3),
+    ("s2", True, 4), ("baseline", False, 5),  # router variants + shared experts (moe_cases.VARIANTS)
 ]
 LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (8, dict(tensor=2, expert=2, expert_shard=2))]
 

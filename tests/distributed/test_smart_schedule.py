@@ -17,6 +17,7 @@ from tests.distributed.test_replicas import ReplicateOne, ShadowFixed
 RUNS = [  # (schedule, case, balancer, smart_group_size)
     ("baseline", 0, None, 1), ("baseline", 1, ShadowFixed, 1), ("s1", 2, None, 1), ("s1", 1, ReplicateOne, 2),
     ("s2", 0, ReplicateOne, 1), ("s2", 3, None, 2), ("auto", 1, ShadowFixed, 1),
+    ("s2", 4, ShadowFixed, 2), ("s1", 5, None, 1),  # router variants + shared experts (moe_cases.VARIANTS)
 ]
 LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (8, dict(tensor=2, expert=2, expert_shard=2))]
 

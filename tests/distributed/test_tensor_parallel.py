@@ -1,6 +1,7 @@
 """Tensor-parallel layers, vocab-parallel cross-entropy and the dense GPT on tp=2 and tp=4 against
 the same modules built on one process (values, parameter gradients via `meta.local_slices`, input
-gradients), including layout-independent initialization and a padded vocabulary."""
+gradients), including layout-independent initialization and a padded vocabulary; the GPT also with
+grouped-query attention (TP splits the query groups) and per-head / full QK-norm."""
 import pytest
 import torch
 from torch.testing import assert_close
@@ -21,6 +22,9 @@ VOCAB = 251  # padded to 252 on tp=2 and tp=4: the last TP rank holds padding ro
 GPT2 = dict(normalization="layernorm", activation="gelu", position_embedding="learned", bias=True, tie_embeddings=True)
 MIXTRAL = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                tie_embeddings=False)
+# GQA (4 query groups of 2 heads: tp=4 holds one group) with head_dim != h / heads, per-head or full QK-norm
+QWEN3 = dict(MIXTRAL, num_attention_heads=8, num_query_groups=4, head_dim=6, qk_norm="head")
+OLMOE = dict(MIXTRAL, num_attention_heads=8, num_query_groups=4, qk_norm="full", qkv_bias=True)
 
 
 def _shard_last(t, state):
@@ -145,7 +149,7 @@ def _replicated_grads_with_dropout(state):
 
 def _check_tensor_parallel(state):
     _check_layers(state)
-    losses = [_check_gpt(state, flavour) for flavour in (GPT2, MIXTRAL)]
+    losses = [_check_gpt(state, flavour) for flavour in (GPT2, MIXTRAL, QWEN3, OLMOE)]
     return losses, _replicated_grads_with_dropout(state)
 
 

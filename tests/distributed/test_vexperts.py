@@ -34,6 +34,7 @@ RUNS = [  # (schedule, saa, smart, case)
     ("baseline", False, False, 0), ("baseline", False, False, 1), ("s1", False, False, 2),
     ("s2", False, False, 0), ("s2", True, False, 1), ("auto", True, False, 3),
     ("baseline", False, True, 1), ("s2", False, True, 0),
+    ("s1", False, False, 4), ("baseline", False, True, 5),  # router variants + shared experts (moe_cases.VARIANTS)
 ]
 
 
@@ -68,7 +69,7 @@ def _layer_run(sub: ParallelState, run):
     y, aux = layer(x)
     ((y * gs[d].to(device())).sum() + aux).backward()
     layer.balancer.before_grad_sync()  # what the trainer does before the data-parallel all-reduce
-    params = dict(layer.named_parameters())
+    params = {n: p for n, p in layer.named_parameters() if p.requires_grad}  # not the expert bias
     return dict(y=y.detach(), aux=aux.detach(), dx=x.grad, stats=layer.last_stats, row=row,
                 grads={n: p.grad for n, p in params.items()},
                 meta={n: (p.meta.kind, p.meta.local_slices(sub)) for n, p in params.items()},

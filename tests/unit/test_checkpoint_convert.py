@@ -44,7 +44,7 @@ def test_export_hf_matches_transformers_and_round_trips(mixtral_ckpt, tmp_path):
     # import -> export is bit-identical; the imported checkpoint is the same model
     offline.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
     offline.export_hf(str(tmp_path / "imported"), str(tmp_path / "hf2"))
-    first, second = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "hf2"))
+    first, second = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("hf", "hf2"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == \
@@ -63,7 +63,7 @@ def test_export_hf_writes_the_dtype_asked_for(mixtral_ckpt, tmp_path):
                           text=True)
     assert proc.returncode == 0, proc.stderr
     offline.export_hf(mixtral_ckpt, str(tmp_path / "fp32"))
-    bf16, fp32 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("bf16", "fp32"))
+    bf16, fp32 = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("bf16", "fp32"))
     assert {t.dtype for t in bf16.values()} == {torch.bfloat16} and {t.dtype for t in fp32.values()} == {torch.float32}
     assert all(torch.equal(bf16[k], fp32[k].bfloat16()) for k in fp32)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -76,7 +76,8 @@ def test_export_hf_refuses_non_mixtral_naming_the_option(tmp_path):
                            str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: not Mixtral-shaped: model.normalization=layernorm (Mixtral uses rmsnorm)"
+    assert proc.stderr.strip() == ("error: not MixtralForCausalLM-shaped: model.normalization=layernorm "
+                                   "(MixtralForCausalLM uses rmsnorm)")
 
 
 def test_upcycled_moe_equals_dense_model(tmp_path):

@@ -57,6 +57,15 @@ def test_unknown_keys_and_wrong_types(overrides, needle):
     (["moe.schedule=nope"], 1, ["moe.schedule", "baseline"]),
     (["moe.top_k=5", "moe.num_experts=4"], 1, ["moe.top_k"]),
     (["model.normalization=batchnorm"], 1, ["model.normalization"]),
+    # architecture section checks (model/attention.py, moe/router.py, moe/shared_expert.py)
+    (["parallel.tensor=4", "model.num_attention_heads=8", "model.num_query_groups=2"], 4,
+     ["parallel.tensor=4", "model.num_query_groups=2"]),
+    (["model.num_query_groups=3"], 1, ["model.num_query_groups=3", "model.num_attention_heads=4"]),
+    (["model.head_dim=7", "model.position_embedding=rope"], 1, ["rope", "7"]),
+    (["model.qk_norm=layer"], 1, ["model.qk_norm='layer'"]),
+    (["moe.score_function=tanh"], 1, ["moe.score_function='tanh'"]),
+    (["moe.router_groups=2"], 1, ["moe.router_group_topk=None", "moe.router_groups=2"]),
+    (["moe.shared_expert_gate=true"], 1, ["moe.shared_expert_gate", "moe.shared_expert_ffn_hidden_size"]),
 ])
 def test_impossible_combinations(overrides, world, needles):
     cfg = load_config(None, overrides)

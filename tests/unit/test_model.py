@@ -20,6 +20,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 GPT2 = dict(normalization="layernorm", activation="gelu", position_embedding="learned", bias=True, tie_embeddings=True)
 MIXTRAL = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                tie_embeddings=False)
+QWEN3 = dict(MIXTRAL, num_attention_heads=8, num_query_groups=2, head_dim=6, qk_norm="head")  # GQA, d != h / heads
+OLMOE = dict(MIXTRAL, num_query_groups=2, qk_norm="full")
+QWEN2 = dict(MIXTRAL, qkv_bias=True)
 SINGLE = ParallelState.single_process()
 
 
@@ -38,7 +41,8 @@ def _reference_logits(model, cfg, tokens):
     """Plain-tensor GPT forward from the model's weights: full logits [b, s, V]."""
     m, P = cfg.model, dict(model.named_parameters())
     b, s = tokens.shape
-    heads, d = m.num_attention_heads, m.hidden_size // m.num_attention_heads
+    heads, d = m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or heads
 
     def norm(x, name):
         if m.normalization == "layernorm":
@@ -49,7 +53,10 @@ def _reference_logits(model, cfg, tokens):
 
     def linear(x, name):
         y = x @ P[name + ".weight"].T
-        return y + P[name + ".bias"] if m.bias else y
+        return y + P[name + ".bias"] if name + ".bias" in P else y
+
+    def rms(x, weight):  # over the last dim
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + m.norm_eps) * weight
 
     def rope(x):  # pairs (i, i + d/2) as complex numbers rotated by pos * theta^(-2i/d)
         freqs = m.rope_theta ** (-torch.arange(0, d, 2).float() / d)
@@ -63,8 +70,17 @@ def _reference_logits(model, cfg, tokens):
     causal = torch.ones(s, s).tril().bool()
     for i in range(m.num_layers):
         pre = f"layers.{i}."
-        qkv = linear(norm(x, pre + "attention_norm"), pre + "attention.qkv").view(b, s, heads, 3, d)
-        q, k, v = (qkv[:, :, :, j].transpose(1, 2) for j in range(3))  # [b, heads, s, d]
+        # fused rows [group, (q_1 .. q_{heads/groups} | k | v), d]
+        qkv = linear(norm(x, pre + "attention_norm"), pre + "attention.qkv").view(b, s, groups, heads // groups + 2, d)
+        q, k, v = qkv[:, :, :, :-2].reshape(b, s, heads, d), qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if m.qk_norm == "head":
+            q, k = rms(q, P[pre + "attention.q_norm.weight"]), rms(k, P[pre + "attention.k_norm.weight"])
+        elif m.qk_norm == "full":
+            q = rms(q.reshape(b, s, -1), P[pre + "attention.q_norm.weight"]).view(b, s, heads, d)
+            k = rms(k.reshape(b, s, -1), P[pre + "attention.k_norm.weight"]).view(b, s, groups, d)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads | groups, s, d]
+        k = torch.stack([k[:, j // (heads // groups)] for j in range(heads)], 1)  # query head j's key / value head
+        v = torch.stack([v[:, j // (heads // groups)] for j in range(heads)], 1)
         if m.position_embedding == "rope":
             q, k = rope(q), rope(k)
         scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, float("-inf"))
@@ -90,10 +106,14 @@ def _batch(cfg, seed=0):
     return tokens, labels
 
 
-@pytest.mark.parametrize("flavour", [GPT2, MIXTRAL], ids=["gpt2", "mixtral"])
+@pytest.mark.parametrize("flavour", [GPT2, MIXTRAL, QWEN3, OLMOE, QWEN2], ids=["gpt2", "mixtral", "qwen3", "olmoe", "qwen2"])
 def test_gpt_matches_functional_reference(flavour):
     cfg = _config(flavour)
     model = GPTMoEModel(cfg, SINGLE)
+    with torch.no_grad():  # norm weights away from their init of ones, biases away from zeros
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     tokens, labels = _batch(cfg)
     ref_logits = _reference_logits(model, cfg, tokens)
     assert_close(model.gather_logits(model(tokens).logits), ref_logits, **TOL)

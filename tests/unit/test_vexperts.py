@@ -460,21 +460,17 @@ def test_ep_ranks_per_node_for_hierarchical_eplb():
 
 def test_eplb_hierarchical_modes():
     """`moe.eplb.hierarchical`: auto is global unless the gate is group-limited (`moe.router_groups`
-    > 1 where the config has that key); true follows the nodes; false never."""
+    > 1); true follows the nodes; false never."""
     from types import SimpleNamespace
 
     from megatron_moe.techniques.eplb.eplb import eplb_ranks_per_node
 
     state = _State([0, 1, 2, 3], 2)  # two nodes of 2 EP ranks
 
-    def cfg(mode, groups=None):
-        moe = SimpleNamespace(eplb=SimpleNamespace(hierarchical=mode))
-        if groups is not None:
-            moe.router_groups = groups
-        return SimpleNamespace(moe=moe)
+    def cfg(mode, groups=1):
+        return SimpleNamespace(moe=SimpleNamespace(eplb=SimpleNamespace(hierarchical=mode), router_groups=groups))
 
     assert eplb_ranks_per_node(cfg("auto"), state) is None
-    assert eplb_ranks_per_node(cfg("auto", 1), state) is None
     assert eplb_ranks_per_node(cfg("auto", 2), state) == 2
     assert eplb_ranks_per_node(cfg("True"), state) == 2 and eplb_ranks_per_node(cfg("false", 2), state) is None
     assert eplb_ranks_per_node(cfg("true"), _State([0, 1, 2, 3], None)) is None  # one node: global

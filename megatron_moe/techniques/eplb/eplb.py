@@ -41,8 +41,8 @@ HIERARCHICAL = ("auto", "true", "false")
 
 def group_limited(cfg) -> bool:
     """Whether the gate routes each token to a limited set of expert groups (`moe.router_groups`
-    > 1, issue 31; configs without that key route over all experts)."""
-    return (getattr(cfg.moe, "router_groups", None) or 0) > 1
+    > 1 with `moe.router_group_topk`, moe/router.py)."""
+    return cfg.moe.router_groups > 1
 
 
 def eplb_ranks_per_node(cfg, state) -> Optional[int]:

@@ -69,7 +69,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums, top_k_gating
+from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
@@ -127,7 +127,7 @@ def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) ->
     losses (router.py's math)."""
     num_experts, k = router.num_experts, router.top_k
     logits = router.logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
-    probs, expert_ids, weights = top_k_gating(logits, k)
+    probs, expert_ids, weights = router.select(logits)
     counts = torch.bincount(expert_ids.flatten(), minlength=num_experts)
     counts = C.all_gather(counts, tp, kind=COUNTS_KIND).view(tp.size, num_experts)  # [tp, E]
     tokens_per_expert = counts.sum(0)

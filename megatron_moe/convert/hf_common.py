@@ -1,0 +1,339 @@
+"""Our GPT-MoE <-> Hugging Face MoE checkpoints (`config.json` + safetensors shards with an index).
+
+One mapping for the four families (`hf_mixtral.py`: MixtralForCausalLM; `hf_qwen_moe.py`:
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; `hf_olmoe.py`: OlmoeForCausalLM; looked up by
+`config.json`'s `model_type` in `hf_families.py`); a `Family` names its module prefixes, config
+keys and the options it has. Tensors are mapped on full (global) weights,
+one layer at a time, in each family's original per-expert naming (the layout of the released
+checkpoints; transformers loads it directly):
+
+    embedding.word.weight [V, h]            <-> model.embed_tokens.weight
+    layers.i.attention_norm.weight          <-> model.layers.i.input_layernorm.weight
+    layers.i.attention.qkv.weight / .bias   <-> self_attn.q_proj / k_proj / v_proj: our rows are
+                                                [group, (q_1 .. q_{heads/G} | k | v), d] (attention.py)
+    layers.i.attention.q_norm / k_norm      <-> self_attn.q_norm / k_norm (`model.qk_norm`)
+    layers.i.attention.proj.weight          <-> self_attn.o_proj.weight
+    layers.i.ffn_norm.weight                <-> model.layers.i.post_attention_layernorm.weight
+    layers.i.ffn.router.weight [E, h]       <-> <moe>.gate.weight
+    layers.i.ffn.experts.w1 [E, h, 2, f]    <-> <moe>.experts.j.<gate> = w1[j][:, 0]^T, <up> = w1[j][:, 1]^T
+    layers.i.ffn.experts.w2 [E, f, h]       <-> <moe>.experts.j.<down> = w2[j]^T
+    layers.i.ffn.shared_expert.mlp.fc1 / fc2 <-> mlp.shared_expert.gate_proj, up_proj / down_proj (Qwen2-MoE)
+    layers.i.ffn.shared_expert.gate [1, h]  <-> mlp.shared_expert_gate.weight
+    layers.i.ffn.fc1 [2, f, h] / fc2 [h, f] <-> mlp.gate_proj, up_proj / down_proj (dense layers)
+    final_norm.weight, output.weight        <-> model.norm.weight, lm_head.weight (untied)
+
+Both sides use the rotate-half RoPE convention over the same head dims (rotary.py, HF
+`rotate_half`), so q/k rows need no permutation. Export streams: it reads one layer's global
+tensors from the checkpoint (any layout: tensor, expert, expert shards, pipeline, vExpert slots,
+ZeRO-1 all store tensors by global identity) and appends them to safetensors shards of at most
+`max_shard_bytes`, with `model.safetensors.index.json` as HF's own large checkpoints have.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from megatron_moe.config.schema import Config
+
+Tensors = Dict[str, torch.Tensor]
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Family:
+    model_type: str
+    architecture: str
+    moe_prefix: str  # "block_sparse_moe" (Mixtral) | "mlp"
+    expert_names: Tuple[str, str, str]  # (gate, up, down) projection names of one expert
+    check: Callable[[Config], List[Tuple[bool, str]]]  # (ok, what) rules ours -> HF
+    hf_config: Callable[[Config], dict]
+    overrides: Callable[[dict], List[str]]  # config.json -> our dotted overrides
+    extra: dict = field(default_factory=dict)
+
+
+def check_shape(family: Family, cfg: Config) -> None:
+    """Raise ValueError naming the first option that has no equivalent in `family`."""
+    m, moe = cfg.model, cfg.moe
+    common = [
+        (m.normalization == "rmsnorm", f"model.normalization={m.normalization} ({family.architecture} uses rmsnorm)"),
+        (m.activation == "swiglu", f"model.activation={m.activation} ({family.architecture} uses swiglu)"),
+        (m.position_embedding == "rope", f"model.position_embedding={m.position_embedding} (rope expected)"),
+        (not m.bias, "model.bias=true (no biases but the Qwen2-MoE q/k/v ones: model.qkv_bias)"),
+        (moe.capacity_factor is None, f"moe.capacity_factor={moe.capacity_factor} (HF MoE models are dropless)"),
+        (moe.score_function == "softmax", f"moe.score_function={moe.score_function} (softmax expected)"),
+        (not moe.expert_bias, "moe.expert_bias=true (no expert bias in this family)"),
+        (moe.router_groups == 1, f"moe.router_groups={moe.router_groups} (no group-limited routing in this family)"),
+        (moe.topk_scaling_factor == 1.0, f"moe.topk_scaling_factor={moe.topk_scaling_factor} (1.0 expected)"),
+        (moe.gate == "softmax", f"moe.gate={moe.gate} (changes routing)"),
+    ]
+    for ok, what in common + family.check(cfg):
+        if not ok:
+            raise ValueError(f"not {family.architecture}-shaped: {what}")
+
+
+def num_experts(hf: dict) -> int:
+    """config.json's expert count: `num_experts` or `num_local_experts` (transformers maps one to the other)."""
+    return hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+
+
+def norm_topk(cfg: Config) -> bool:
+    return cfg.moe.top_k > 1 if cfg.moe.norm_topk_prob is None else cfg.moe.norm_topk_prob
+
+
+def base_hf_config(family: Family, cfg: Config) -> dict:
+    """The keys every family shares."""
+    from megatron_moe.model.attention import head_dim, query_groups
+
+    m, moe = cfg.model, cfg.moe
+    return {
+        "architectures": [family.architecture], "model_type": family.model_type, "torch_dtype": "float32",
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": query_groups(m), "head_dim": head_dim(m),
+        "hidden_act": "silu", "max_position_embeddings": m.seq_length, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0, "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False,
+        "initializer_range": m.init_std, "use_cache": True,
+    }
+
+
+def base_overrides(hf: dict) -> List[str]:
+    """Overrides from the keys every family shares; refuses what we lack, naming the field."""
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError(f"rope_scaling={hf.get('rope_scaling') or rope} is not supported (default rope only)")
+    for key in ("q_lora_rank", "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3)
+        if hf.get(key):
+            raise ValueError(f"{key}={hf[key]}: multi-head latent attention is not supported")
+    if hf.get("use_sliding_window") or (hf.get("use_sliding_window") is None and hf.get("sliding_window")
+                                       and hf["sliding_window"] < hf["max_position_embeddings"]):
+        raise ValueError(f"sliding_window={hf.get('sliding_window')} attention is not supported")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    out = [f"model.num_layers={hf['num_hidden_layers']}", f"model.hidden_size={hf['hidden_size']}",
+           f"model.num_attention_heads={heads}", f"model.num_query_groups={'null' if kv == heads else kv}",
+           f"model.head_dim={hf.get('head_dim') or 'null'}",
+           f"model.seq_length={hf['max_position_embeddings']}", f"model.vocab_size={hf['vocab_size']}",
+           "model.normalization=rmsnorm", "model.activation=swiglu", "model.position_embedding=rope",
+           f"model.rope_theta={theta}", "model.bias=false", f"model.tie_embeddings={str(bool(hf.get('tie_word_embeddings', False))).lower()}",
+           f"model.norm_eps={float(hf.get('rms_norm_eps', 1e-6))}",
+           f"model.init_std={float(hf.get('initializer_range', 0.02))}", "model.dropout=0.0",
+           f"moe.top_k={hf['num_experts_per_tok']}", "moe.capacity_factor=null",
+           f"moe.aux_loss_coeff={float(hf.get('router_aux_loss_coef', 0.01))}"]
+    if hf.get("head_dim") in (None, hf["hidden_size"] // heads) and hf["hidden_size"] % heads == 0:
+        out[4] = "model.head_dim=null"
+    return out
+
+
+# -- tensors, one layer at a time ------------------------------------------------------------------
+def _attention_to_hf(cfg: Config, ours: Tensors, src: str, dst: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    from megatron_moe.model.attention import head_dim, query_groups
+
+    m = cfg.model
+    heads, groups, d = m.num_attention_heads, query_groups(m), head_dim(m)
+    per = heads // groups
+    for kind in ("weight", "bias"):
+        if src + f"attention.qkv.{kind}" not in ours:
+            continue
+        qkv = ours[src + f"attention.qkv.{kind}"].view(groups, per + 2, d, -1)  # [G, per + 2, d, h | 1]
+        trail = () if kind == "bias" else (m.hidden_size,)
+        yield dst + f"self_attn.q_proj.{kind}", qkv[:, :per].reshape(heads * d, *trail)
+        yield dst + f"self_attn.k_proj.{kind}", qkv[:, per].reshape(groups * d, *trail)
+        yield dst + f"self_attn.v_proj.{kind}", qkv[:, per + 1].reshape(groups * d, *trail)
+    for norm in ("q_norm", "k_norm"):
+        if src + f"attention.{norm}.weight" in ours:
+            yield dst + f"self_attn.{norm}.weight", ours[src + f"attention.{norm}.weight"]
+    yield dst + "self_attn.o_proj.weight", ours[src + "attention.proj.weight"]
+
+
+def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], has: Callable[[str], bool], src: str,
+                       dst: str) -> Tensors:
+    from megatron_moe.model.attention import head_dim, query_groups
+
+    m = cfg.model
+    heads, groups, d = m.num_attention_heads, query_groups(m), head_dim(m)
+    per, out = heads // groups, {}
+    for kind in ("weight", "bias"):
+        if not has(src + f"self_attn.q_proj.{kind}"):
+            continue
+        q = hf(src + f"self_attn.q_proj.{kind}").reshape(groups, per, d, -1)
+        k, v = (hf(src + f"self_attn.{p}_proj.{kind}").reshape(groups, 1, d, -1) for p in "kv")
+        fused = torch.cat([q, k, v], dim=1)  # [G, per + 2, d, h | 1]
+        out[dst + f"attention.qkv.{kind}"] = fused.reshape((heads + 2 * groups) * d, -1).squeeze(-1) \
+            if kind == "bias" else fused.reshape((heads + 2 * groups) * d, m.hidden_size)
+    for norm in ("q_norm", "k_norm"):
+        if m.qk_norm != "none":
+            out[dst + f"attention.{norm}.weight"] = hf(src + f"self_attn.{norm}.weight")
+    out[dst + "attention.proj.weight"] = hf(src + "self_attn.o_proj.weight")
+    return out
+
+
+def _mlp_to_hf(fc1: torch.Tensor, fc2: torch.Tensor, dst: str, names=("gate_proj", "up_proj", "down_proj")):
+    """fc1 [2, f, h] (gate, up), fc2 [h, f] -> HF gate / up [f, h], down [h, f]."""
+    yield dst + names[0] + ".weight", fc1[0]
+    yield dst + names[1] + ".weight", fc1[1]
+    yield dst + names[2] + ".weight", fc2
+
+
+def layer_to_hf(family: Family, cfg: Config, ours: Tensors, i: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """HF tensors of our layer i (`ours`: at least that layer's full weights)."""
+    src, dst = f"layers.{i}.", f"model.layers.{i}."
+    yield dst + "input_layernorm.weight", ours[src + "attention_norm.weight"]
+    yield from _attention_to_hf(cfg, ours, src, dst)
+    yield dst + "post_attention_layernorm.weight", ours[src + "ffn_norm.weight"]
+    if src + "ffn.router.weight" not in ours:  # a dense layer
+        yield from _mlp_to_hf(ours[src + "ffn.fc1.weight"], ours[src + "ffn.fc2.weight"], dst + "mlp.")
+        return
+    moe = dst + family.moe_prefix + "."
+    yield moe + "gate.weight", ours[src + "ffn.router.weight"]
+    w1, w2 = ours[src + "ffn.experts.w1"], ours[src + "ffn.experts.w2"]  # [E, h, 2, f], [E, f, h]
+    gate, up, down = family.expert_names
+    for j in range(w1.shape[0]):
+        e = moe + f"experts.{j}."
+        yield e + gate + ".weight", w1[j][:, 0].t()
+        yield e + up + ".weight", w1[j][:, 1].t()
+        yield e + down + ".weight", w2[j].t()
+    if src + "ffn.shared_expert.mlp.fc1.weight" in ours:
+        yield from _mlp_to_hf(ours[src + "ffn.shared_expert.mlp.fc1.weight"], ours[src + "ffn.shared_expert.mlp.fc2.weight"],
+                              dst + "mlp.shared_expert.")
+    if src + "ffn.shared_expert.gate" in ours:
+        yield dst + "mlp.shared_expert_gate.weight", ours[src + "ffn.shared_expert.gate"]
+
+
+def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor], has: Callable[[str], bool],
+                  i: int, is_moe: bool) -> Tensors:
+    """Our full weights of layer i from HF tensors (`hf(name)` reads one)."""
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    out = {dst + "attention_norm.weight": hf(src + "input_layernorm.weight"),
+           dst + "ffn_norm.weight": hf(src + "post_attention_layernorm.weight")}
+    out.update(_attention_from_hf(cfg, hf, has, src, dst))
+    if not is_moe:
+        out[dst + "ffn.fc1.weight"] = torch.stack([hf(src + "mlp.gate_proj.weight"), hf(src + "mlp.up_proj.weight")])
+        out[dst + "ffn.fc2.weight"] = hf(src + "mlp.down_proj.weight")
+        return out
+    moe, (gate, up, down) = src + family.moe_prefix + ".", family.expert_names
+    out[dst + "ffn.router.weight"] = hf(moe + "gate.weight")
+    e = moe + "experts.{}."
+    num_experts = cfg.moe.num_experts
+    gates = torch.stack([hf(e.format(j) + gate + ".weight").t() for j in range(num_experts)])  # [E, h, f]
+    ups = torch.stack([hf(e.format(j) + up + ".weight").t() for j in range(num_experts)])
+    out[dst + "ffn.experts.w1"] = torch.stack([gates, ups], dim=2)  # [E, h, 2, f]
+    out[dst + "ffn.experts.w2"] = torch.stack([hf(e.format(j) + down + ".weight").t() for j in range(num_experts)])
+    if cfg.moe.shared_expert_ffn_hidden_size:
+        shared = src + "mlp.shared_expert."
+        out[dst + "ffn.shared_expert.mlp.fc1.weight"] = torch.stack([hf(shared + "gate_proj.weight"),
+                                                                     hf(shared + "up_proj.weight")])
+        out[dst + "ffn.shared_expert.mlp.fc2.weight"] = hf(shared + "down_proj.weight")
+    if cfg.moe.shared_expert_gate:
+        out[dst + "ffn.shared_expert.gate"] = hf(src + "mlp.shared_expert_gate.weight")
+    return out
+
+
+def outer_to_hf(cfg: Config, ours: Tensors) -> Iterator[Tuple[str, torch.Tensor]]:
+    yield "model.embed_tokens.weight", ours["embedding.word.weight"]
+    yield "model.norm.weight", ours["final_norm.weight"]
+    if not cfg.model.tie_embeddings:
+        yield "lm_head.weight", ours["output.weight"]
+
+
+def outer_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor]) -> Tensors:
+    out = {"embedding.word.weight": hf("model.embed_tokens.weight"), "final_norm.weight": hf("model.norm.weight")}
+    if not cfg.model.tie_embeddings:
+        out["output.weight"] = hf("lm_head.weight")
+    return out
+
+
+# -- files ---------------------------------------------------------------------------------------
+def write_hf(path: str, family: Family, cfg: Config, outer: Tensors, layer: Callable[[int], Tensors],
+             max_shard_bytes: int = 5 << 30, dtype: torch.dtype = torch.float32) -> None:
+    """HF directory `path` from our full weights: `outer` (embedding, final norm, output layer) and
+    `layer(i)` (at least layer i's), fetched one layer at a time; tensors stored in `dtype`
+    (`config.json`'s `torch_dtype`)."""
+    check_shape(family, cfg)
+    writer = ShardWriter(path, max_shard_bytes, dtype)
+    for i in range(cfg.model.num_layers):
+        for name, tensor in layer_to_hf(family, cfg, layer(i), i):
+            writer.add(name, tensor)
+    for name, tensor in outer_to_hf(cfg, outer):
+        writer.add(name, tensor)
+    writer.close(dict(family.hf_config(cfg), torch_dtype=str(dtype).split(".")[-1]))
+
+
+class ShardWriter:
+    """Tensors appended one by one, cast to `dtype`, into `model-0000k-of-0000n.safetensors` shards
+    of at most `max_shard_bytes` each (a bigger tensor gets a shard of its own) + the index."""
+
+    def __init__(self, path: str, max_shard_bytes: int, dtype: torch.dtype = torch.float32):
+        self.path, self.max_bytes, self.dtype = path, max_shard_bytes, dtype
+        self.pending: Tensors = {}
+        self.pending_bytes, self.files, self.weight_map, self.total = 0, [], {}, 0
+        os.makedirs(path, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.to(self.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous().clone()  # own storage: no view of a whole layer
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        name = f"shard-{len(self.files) + 1}.tmp"
+        save_file(self.pending, os.path.join(self.path, name), metadata={"format": "pt"})
+        self.files.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self, config: dict) -> None:
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        for k, (tmp, names) in enumerate(self.files, start=1):
+            final = f"model-{k:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.path, tmp), os.path.join(self.path, final))
+            self.weight_map.update({t: final for t in names})
+        with open(os.path.join(self.path, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))},
+                      f, indent=2)
+        with open(os.path.join(self.path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+
+class HFReader:
+    """Lazy reader of a HF model directory: config.json and tensors by name (safetensors only)."""
+
+    def __init__(self, path: str):
+        import glob
+
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{path} has no config.json")
+        with open(config_path) as f:
+            self.config = json.load(f)
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"{path} has no *.safetensors files (pickled .bin weights are not read)")
+        from safetensors import safe_open
+
+        self.handles, self.where = [], {}
+        for file in files:
+            handle = safe_open(file, framework="pt")
+            self.handles.append(handle)
+            self.where.update({name: handle for name in handle.keys()})
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(f"the checkpoint has no tensor {name}")
+        return self.where[name].get_tensor(name)
