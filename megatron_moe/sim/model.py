@@ -11,10 +11,10 @@ forward FLOPs (backward: twice; its weight-gradient half is what Lancet may defe
     gate       2 h E
     head       2 h V / tp                           (the output layer)
 
-Tensor-parallel collectives (fp32, kind "all_reduce/tp"): every attention / dense FFN sublayer one
-all-reduce of [n, h] forward and one backward; the vocab-parallel embedding one of [n, h] forward;
-the vocab-parallel cross-entropy three of [n] (max, sum of exponentials, target logit) forward and
-the output layer's input one of [n, h] backward. The embedding lookup's time and the gradient
+Tensor-parallel collectives (kind "all_reduce/tp"; [n, h] in the activations' width, bf16 or fp32):
+every attention / dense FFN sublayer one all-reduce of [n, h] forward and one backward; the
+vocab-parallel embedding one of [n, h] forward; the vocab-parallel cross-entropy three of [n] (max,
+sum of exponentials, target logit; fp32) forward and the output layer's input one of [n, h] backward. The embedding lookup's time and the gradient
 sync after the micro-batches (`sim/params.py`) are not here.
 
 Lancet's partitioned forward (`moe.lancet.partitions` k > 1): the sublayers become §5's
@@ -53,8 +53,9 @@ class DenseModel:
         fwd = [b.compute(name, flops_per_token * n, dense=True)]
         bwd = [b.compute(name, 2 * flops_per_token * n, dense=True, deferrable=0.5 * weight_share)]
         if b.world.layout.tensor > 1:
-            fwd.append(b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, 4, "all_reduce"))
-            bwd.insert(0, b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, 4, "all_reduce"))
+            act = b.widths.activation
+            fwd.append(b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, act, "all_reduce"))
+            bwd.insert(0, b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, act, "all_reduce"))
         return fwd, bwd
 
     def attention(self) -> Tuple[List[Op], List[Op]]:
@@ -68,20 +69,21 @@ class DenseModel:
         return [b.compute("gate", self.gate_flops * n, dense=True)], \
             [b.compute("gate", 2 * self.gate_flops * n, dense=True, deferrable=0.5)]
 
-    def _tp_allreduce(self, name: str, elements: int) -> List[Op]:
+    def _tp_allreduce(self, name: str, elements: int, element_bytes: int = 4) -> List[Op]:
         tp = self.b.world.layout.tensor > 1
-        return [self.b.collective(name, "all_reduce", "tp", elements, 4, "all_reduce")] if tp else []
+        return [self.b.collective(name, "all_reduce", "tp", elements, element_bytes, "all_reduce")] if tp else []
 
     def embedding(self) -> Tuple[List[Op], List[Op]]:
         """The vocab-parallel lookup's all-reduce (forward; its backward is local)."""
-        return self._tp_allreduce("embedding_tp_allreduce", self.tokens * self.cfg.model.hidden_size), []
+        return self._tp_allreduce("embedding_tp_allreduce", self.tokens * self.cfg.model.hidden_size,
+                                  self.b.widths.activation), []
 
     def head(self) -> Tuple[List[Op], List[Op]]:
         b, n = self.b, self.tokens
         loss = [op for _ in range(3) for op in self._tp_allreduce("loss_tp_allreduce", n)]
         return [b.compute("head", self.head_flops * n, dense=True)] + loss, \
             [b.compute("head", 2 * self.head_flops * n, dense=True, deferrable=0.5)] + \
-            self._tp_allreduce("head_tp_allreduce", n * self.cfg.model.hidden_size)
+            self._tp_allreduce("head_tp_allreduce", n * self.cfg.model.hidden_size, self.b.widths.activation)
 
 
 # -- Lancet's partitioned forward ----------------------------------------------------------------------

@@ -38,7 +38,7 @@ from megatron_moe.moe.balancers.base import OwnerOnly
 from megatron_moe.moe.placement import Placement, owned_experts
 from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
 from megatron_moe.config.registry import Registry
-from megatron_moe.sim.ops import Op, OpBuilder, Traffic
+from megatron_moe.sim.ops import Op, OpBuilder, Traffic, profile_elements
 from megatron_moe.sim.traces import split_even
 
 SCHEDULE_MODELS = Registry("moe.schedule")
@@ -190,16 +190,18 @@ def smart_op(b: OpBuilder, elements: np.ndarray, group: str, flops_per_element: 
         frm = fine[None, :] == (fine[:, None] + j) % steps  # m in the group i receives from
         _, sent_on, sent_off, _, _ = b.split(group, x * to[None])
         _, _, _, recv_on, recv_off = b.split(group, x * frm.T[None])
-        send[j] = cluster.exchange("p2p", np.maximum(sent_on, recv_on), np.maximum(sent_off, recv_off))
+        send[j] = cluster.exchange("p2p", profile_elements(np.maximum(sent_on, recv_on), b.widths.activation),
+                                   profile_elements(np.maximum(sent_off, recv_off), b.widths.activation))
         rows = b.zeros()
         rows[members] = (x * frm.T[None]).sum(1)
         comp[j] = cluster.compute(rows * flops_per_element * (2 if backward else 1))
     _, on, off, recv_on, recv_off = b.split(group, x)
-    counted = (on + off + recv_on + recv_off) * 4
+    act = b.widths.activation
+    counted = (on + off + recv_on + recv_off) * act
     mirrored = smart_pipeline(send, comp, send)  # R_j moves what S_j moved, the other way
     # a rank sends its rows (S) and the outputs of the rows it received (R) to other ranks
     return Op("smart", "sync", lambda k: mirrored / k, group,
-              [Traffic(f"smart_p2p/{group}", counted, (off + recv_off) * 4)], a2a=True)
+              [Traffic(f"smart_p2p/{group}", counted, (off + recv_off) * act)], a2a=True)
 
 
 def issue_trans(b: OpBuilder, tag: str, dispatch: Op = None) -> List[Op]:
@@ -229,15 +231,15 @@ class ScheduleModel:
         return self.b.collective(name, kind, group, elements, element_bytes, cost)
 
     def _rows(self, name, kind, group, rows, cost, calls=1) -> Op:
-        return self.b.collective(name, kind, group, np.asarray(rows, dtype=np.float64) * self.shape.hidden, 4, cost,
-                                 calls=calls)
+        return self.b.collective(name, kind, group, np.asarray(rows, dtype=np.float64) * self.shape.hidden,
+                                 self.b.widths.activation, cost, calls=calls)
 
     def _experts(self, rows: np.ndarray, backward: bool) -> Op:
         flops = rows * self.shape.flops_per_row * (2 if backward else 1)
         return self.b.compute("experts", flops, deferrable=0.5 if backward else 0.0)
 
     def _exchange(self, name, matrix, group, kind="all_to_all") -> Op:
-        return self.b.exchange(name, kind, group, matrix * self.shape.hidden, 4, a2a=True)
+        return self.b.exchange(name, kind, group, matrix * self.shape.hidden, self.b.widths.activation, a2a=True)
 
     def _smart(self, matrix, group, backward, peer_group) -> Op:
         return smart_op(self.b, matrix * self.shape.hidden, group, self.shape.flops_per_row / self.shape.hidden,
@@ -330,9 +332,10 @@ class ParmModel(ScheduleModel):
         links; counts the phased exchange (own slice not sent) and the gathers."""
         s, lay, b = self.shape, self.lay, self.b
         back = M.transpose(0, 2, 1) * s.hidden
-        p2p = b.exchange(name, "all_to_all_p2p", "ep_esp", back, 4, counts_own=False, cost_kind="p2p", a2a=True)
-        gather = b.collective(name, "all_gather", "tp", m_all * s.hidden, 4, "all_gather", calls=lay.expert)
-        x = b.split("ep_esp", back)[0]
+        act = b.widths.activation
+        p2p = b.exchange(name, "all_to_all_p2p", "ep_esp", back, act, counts_own=False, cost_kind="p2p", a2a=True)
+        gather = b.collective(name, "all_gather", "tp", m_all * s.hidden, act, "all_gather", calls=lay.expert)
+        x = profile_elements(b.split("ep_esp", back)[0], act)
         measured, phases = b.cluster.saa, lay.expert
 
         def cost(k):

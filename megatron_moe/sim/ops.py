@@ -10,6 +10,13 @@ the whole op; Lancet's partitioned forward asks for k > 1). Builders:
 * `collective`: a group collective (all-gather, all-reduce, broadcast, ...) given its x per rank;
 * `compute`: FLOPs per rank.
 
+Element widths (`Widths`, from `training.precision`): bf16 runs send activations and tokens
+(all-to-all, TP sums and gathers, stage messages) and the weights of Trans and of ZeRO-1's
+all-gather in 2 bytes; gradients (fp32 main gradients), vExpert moves (fp32 master and moments),
+routing probabilities and metadata keep theirs. Costs are per byte: the hardware profile's
+alpha-beta fits are per fp32 element (`PROFILE_ELEMENT_BYTES`), so x elements of b bytes cost
+as x b / 4 of them.
+
 `mode` says how the timeline (`sim/timeline.py`) runs it: ``sync`` (a collective: it starts when
 every member of the rank's `group` is ready, and they all end together), ``compute`` (the rank
 alone), ``issue`` / ``wait`` (an asynchronous transfer started on a side channel, and the point
@@ -64,11 +71,32 @@ class Op:
         return replace(self, cost=cost, traffic=self.traffic + other.traffic)
 
 
+PROFILE_ELEMENT_BYTES = 4  # the hardware profiles' beta: seconds per fp32 element
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element by role (module docstring)."""
+
+    activation: int = 4  # tokens and activations
+    weight: int = 4  # parameters as sent (Trans, ZeRO-1's all-gather)
+
+    @classmethod
+    def of(cls, precision: str) -> "Widths":
+        width = 2 if precision == "bf16" else 4
+        return cls(width, width)
+
+
+def profile_elements(elements, element_bytes: int):
+    """`elements` of `element_bytes` as the fp32 elements the profile's costs are fitted on."""
+    return np.asarray(elements, dtype=np.float64) * (element_bytes / PROFILE_ELEMENT_BYTES)
+
+
 class OpBuilder:
     """Op constructors on one world and cluster."""
 
-    def __init__(self, world: WorldLayout, cluster: Cluster):
-        self.world, self.cluster = world, cluster
+    def __init__(self, world: WorldLayout, cluster: Cluster, widths: Widths = Widths()):
+        self.world, self.cluster, self.widths = world, cluster, widths
 
     def zeros(self) -> np.ndarray:
         return np.zeros(self.world.size)
@@ -101,7 +129,8 @@ class OpBuilder:
         counted = (total if counts_own else sent_on + sent_off) * element_bytes
         if self.world.group_size[group] == 1:
             counted = self.zeros()
-        on, off = np.maximum(sent_on, recv_on), np.maximum(sent_off, recv_off)
+        on = profile_elements(np.maximum(sent_on, recv_on), element_bytes)
+        off = profile_elements(np.maximum(sent_off, recv_off), element_bytes)
         cluster = self.cluster
         return Op(name, mode, lambda k: cluster.exchange(cost_kind, on / k, off / k), group,
                   [Traffic(f"{kind}/{group}", counted, sent_off * element_bytes)], handle, a2a=a2a)
@@ -116,9 +145,10 @@ class OpBuilder:
         x = np.broadcast_to(np.asarray(elements, dtype=np.float64), (world.size,))
         counted = self.zeros() if world.group_size[group] == 1 else x * element_bytes * counted_factor
         spans = world.spans_nodes[group]
+        fp32 = profile_elements(x, element_bytes)
 
         def cost(k):
-            t = cluster.collective(cost_kind, group, x / k)
+            t = cluster.collective(cost_kind, group, fp32 / k)
             if calls > 1:
                 link = cluster.link(cost_kind)
                 t = t + (calls - 1) * np.where(t > 0, np.where(spans, (link.inter or link.intra).alpha,

@@ -64,7 +64,7 @@ def end_ops(b: OpBuilder, params: StageParams, first_half: bool) -> List[Op]:
     docstring) or after it (step 4)."""
     sizes = b.world.group_size
     if not first_half:
-        return [b.collective("param_all_gather", PARAM_KIND, group, n, 4, "all_gather")
+        return [b.collective("param_all_gather", PARAM_KIND, group, n, b.widths.weight, "all_gather")
                 for group, n in params.flats if sizes[group] > 1]
     ops: List[Optional[Op]] = []
     for groups, n in params.buckets:

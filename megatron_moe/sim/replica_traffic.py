@@ -1,17 +1,19 @@
 """Simulated expert-weight traffic: per-iteration replicas (*Trans* / *Agg*, `moe/replicas.py`) and
 persistent vExperts (gradient sum and moves, `moe/vexperts.py`), as `Op`s on the ``ep`` groups.
 
-Every ESP shard rank j of an ep_esp group moves its own shard (Q elements, fp32) on its ep group:
+Every ESP shard rank j of an ep_esp group moves its own shard (Q elements) on its ep group; w = the
+weights' width (`Widths.weight`: 2 in bf16 runs, else 4), gradients are fp32 main gradients:
 
     Trans  expert on every EP rank (FasterMoE's shadow): a broadcast from the owner per parameter
-           tensor; the owner counts Q x 4 x (ep - 1) bytes ("trans/ep"). Otherwise point to point:
-           the owner sends Q x 4 bytes to each replica.
+           tensor; the owner counts Q x w x (ep - 1) bytes ("trans/ep"). Otherwise point to point:
+           the owner sends Q x w bytes to each replica.
     Agg    the adjoint: a reduce to the owner (every other rank counts Q x 4), or each replica
            sends Q x 4 bytes to the owner ("agg/ep").
     vExpert gradients: one all-reduce on ep of every expert held more than once ("vexpert_grad/ep",
            X x Q x 4 bytes per rank), once per iteration.
     vExpert moves: `vexperts.plan_transfers` (the code `relocate` runs) between the old and new
-           slots; each transfer's source sends Q (x 3 with AdamW's two moments) x 4 bytes
+           slots; each transfer's source sends Q (x 3 with AdamW's two moments, x 4 in bf16 with
+           the fp32 master too) x 4 bytes; the bf16 weight alone, before any optimizer state: Q x 2
            ("vexpert_move/ep").
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import List
 import numpy as np
 
 from megatron_moe.moe.vexperts import plan_transfers
-from megatron_moe.sim.ops import Op, OpBuilder, Traffic
+from megatron_moe.sim.ops import Op, OpBuilder, Traffic, profile_elements
 
 
 def _per_ep_group(b: OpBuilder, per_ep_esp_group: List[np.ndarray]) -> np.ndarray:
@@ -63,13 +65,15 @@ def replica_ops(b: OpBuilder, placements: list, params: int, tensors: int, handl
         ab = [(link.inter or link.intra) if s else link.intra for s in spans]
         alpha = np.array([a.alpha for a in ab])
         beta = np.array([a.beta for a in ab])
-        cost_all = everywhere * (tensors * alpha + beta * params)
-        counted = (everywhere - owned) * params * 4 if backward else owned * params * 4 * (ep - 1)
+        width = 4 if backward else b.widths.weight
+        cost_all = everywhere * (tensors * alpha + beta * profile_elements(params, width))
+        counted = (everywhere - owned) * params * width if backward else owned * params * width * (ep - 1)
         ops.append(Op(kind, "issue", lambda k, c=cost_all: c / k, "ep", [Traffic(f"{kind}/ep", counted)], handle))
     P = _per_ep_group(b, pairs)
     if P.any():
         kind = "agg" if backward else "trans"
-        ops.append(b.exchange(kind, kind, "ep", P.transpose(0, 2, 1) if backward else P, 4, counts_own=False,
+        ops.append(b.exchange(kind, kind, "ep", P.transpose(0, 2, 1) if backward else P,
+                              4 if backward else b.widths.weight, counts_own=False,
                               cost_kind="p2p", mode="issue", handle=handle))
     return ops
 
@@ -82,8 +86,9 @@ def vexpert_grad_op(b: OpBuilder, slots: np.ndarray, num_experts: int, params: i
     return [b.collective("vexpert_grad", "vexpert_grad", "ep", shared * params, 4, "all_reduce")]
 
 
-def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int) -> List[Op]:
-    """`relocate` from `old` to `new` slots [ep, V]: `width` elements per transfer between ranks."""
+def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int, element_bytes: int) -> List[Op]:
+    """`relocate` from `old` to `new` slots [ep, V]: `width` elements of `element_bytes` per transfer
+    between ranks."""
     ep = b.world.layout.expert
     P = np.zeros((ep, ep))
     for t in plan_transfers(old, new):
@@ -92,5 +97,5 @@ def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int) 
     if not P.any():
         return []
     groups = b.members("ep").shape[0]
-    return [b.exchange("vexpert_move", "vexpert_move", "ep", np.broadcast_to(P, (groups, ep, ep)), 4,
+    return [b.exchange("vexpert_move", "vexpert_move", "ep", np.broadcast_to(P, (groups, ep, ep)), element_bytes,
                        counts_own=False, cost_kind="p2p")]

@@ -47,7 +47,7 @@ from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import WorldLayout
 from megatron_moe.sim.model import DenseModel, lancet_forward, lancet_segments
 from megatron_moe.sim.moe_layer import SCHEDULE_MODELS, LayerShape, ScheduleModel
-from megatron_moe.sim.ops import Op, OpBuilder, Traffic
+from megatron_moe.sim.ops import Op, OpBuilder, Traffic, Widths
 from megatron_moe.sim.params import StageParams, end_ops
 from megatron_moe.sim.stages import Pipeline
 from megatron_moe.sim.replica_traffic import replica_ops, vexpert_grad_op, vexpert_move_op
@@ -174,11 +174,11 @@ class Simulation:
                                 moe.smart_schedule, moe.smart_group_size)
         self.stages = []
         for s, (world, cluster) in enumerate(zip(worlds, clusters)):
-            b = OpBuilder(world, cluster)
+            b = OpBuilder(world, cluster, Widths.of(tr.precision))
             self.stages.append(Stage(world, b, SCHEDULE_MODELS.get(moe.schedule)(b, self.shape, flat),
                                      DenseModel(cfg, b, self.tokens), StageChunks.of(cfg, s).layers,
                                      StageParams.of(cfg, layout, s)))
-        self.pipeline = Pipeline(cfg, layout, clusters[0], self.micro_batches)
+        self.pipeline = Pipeline(cfg, layout, clusters[0], self.micro_batches, Widths.of(tr.precision))
         self.moe_layers = moe_layer_indices(cfg)
         self.moe_at = moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}  # global layer -> MoE index
         self.stage_of = {moe_at[layer]: s for s, stage in enumerate(self.stages) for chunk in stage.chunks
@@ -417,7 +417,9 @@ class Simulation:
         `optimizer_state` both AdamW moments) -> (ops per pipeline stage, primitives executed)."""
         ops, moves = [[] for _ in self.stages], 0
         lay = self.layout
-        width = (3 if optimizer_state else 1) * self.params_per_expert
+        bf16 = self.cfg.training.precision == "bf16"  # relocate: one buffer in the widest dtype it carries
+        width = ((4 if bf16 else 3) if optimizer_state else 1) * self.params_per_expert
+        element_bytes = 2 if bf16 and not optimizer_state else 4
         for i, layer in enumerate(self.planners):
             balancer, b = layer[0], self.stages[self.stage_of[i]].b
             if balancer.slots_per_rank is None:
@@ -431,7 +433,7 @@ class Simulation:
             old = balancer.table.slots.copy()
             new = balancer.decide(balancer.window / lay.expert_data_parallel)
             if new is not None:
-                ops[self.stage_of[i]] += vexpert_move_op(b, old, new, width)
+                ops[self.stage_of[i]] += vexpert_move_op(b, old, new, width, element_bytes)
                 balancer.table.slots = balancer.table.checked(new)
             moves += balancer.last_moves
         return ops, moves

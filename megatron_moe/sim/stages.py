@@ -9,7 +9,7 @@ The stages run the training code's own programs (`training/pipeline_schedules.pr
   layers with their schedules, balancers and overlaps, the embedding on the model's first chunk,
   the output layer and loss on its last), each step on its own timeline with the stage's ranks
   starting together;
-* a message (activations [b, s, h] forward, their gradient backward, fp32) goes from stage s's
+* a message (activations [b, s, h] forward, their gradient backward, bf16 or fp32) goes from stage s's
   rank r to the next (previous) stage's rank r, `world / p` ranks away: point to point on the
   `p2p` link inside or across nodes, the slowest rank's pair, from when both sides posted it
   (`simulate`'s `message_time`); a stage's exchange batches complete in order. Bytes: kind
@@ -30,7 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from megatron_moe.sim.cluster import Cluster
-from megatron_moe.sim.ops import Op, Traffic
+from megatron_moe.sim.ops import Op, Traffic, Widths, profile_elements
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.training.pipeline import KIND as PIPELINE_KIND
 from megatron_moe.training.pipeline_schedules import Compute, Exchange, Simulation, programs, simulate
@@ -42,12 +42,13 @@ StepKey = Tuple[int, bool, int, int]  # (stage, backward, virtual chunk, micro-b
 class Pipeline:
     """One layout's stages: their programs, message costs and bytes, and the end across stages."""
 
-    def __init__(self, cfg, layout, cluster: Cluster, micro_batches: int):
+    def __init__(self, cfg, layout, cluster: Cluster, micro_batches: int, widths: Widths = Widths()):
         par, m = cfg.parallel, cfg.model
         self.layout, self.cluster = layout, cluster
         self.p, self.v, self.micro_batches = par.pipeline, par.virtual_stages, micro_batches
         self.programs = programs(par.pipeline_schedule, self.p, micro_batches, self.v)
-        self.elements = cfg.training.micro_batch_size * m.seq_length * m.hidden_size  # one message, fp32
+        self.elements = cfg.training.micro_batch_size * m.seq_length * m.hidden_size  # one message
+        self.element_bytes = widths.activation
         local = np.arange(layout.stage_size)
         self.nodes = np.stack([layout.node_of(s * layout.stage_size + local) for s in range(self.p)])  # [p, S]
         neighbours = [(s, t) for s in range(self.p) for t in ((s + 1) % self.p, (s - 1) % self.p) if t != s]
@@ -56,7 +57,8 @@ class Pipeline:
     def _p2p(self, sender: int, receiver: int) -> np.ndarray:
         """[S] seconds of one message from each rank of `sender` to its peer in `receiver`."""
         off = self.nodes[sender] != self.nodes[receiver]
-        return self.cluster.exchange("p2p", np.where(off, 0.0, self.elements), np.where(off, self.elements, 0.0))
+        x = profile_elements(self.elements, self.element_bytes)
+        return self.cluster.exchange("p2p", np.where(off, 0.0, x), np.where(off, x, 0.0))
 
     def chunks(self) -> List[Tuple[int, int]]:
         """(stage, virtual chunk) of every model chunk, in model order."""
@@ -78,8 +80,8 @@ class Pipeline:
                 continue
             for key, peer in ((step.send_forward, (stage + 1) % self.p), (step.send_backward, (stage - 1) % self.p)):
                 if key is not None:
-                    counted += 4 * self.elements
-                    inter += np.where(self.nodes[stage] != self.nodes[peer], 4 * self.elements, 0.0)
+                    counted += self.element_bytes * self.elements
+                    inter += np.where(self.nodes[stage] != self.nodes[peer], self.element_bytes * self.elements, 0.0)
         return Traffic(f"{PIPELINE_KIND}/pp", counted, inter)
 
     # -- collectives across stages ------------------------------------------------------------------

@@ -9,7 +9,7 @@ the balancers' replicas (FasterMoE, Pro-Prophet: their own plans), SAA's phased 
 smart schedule's pairwise steps, and for the vExpert balancers (EPLB, FlexMoE) the replica
 gradient sum, the decision's window all-reduce and the moves between two steps.
 
-Whole iterations: the Trainer (GPT, 4 processes, a node per 2 ranks) on pipeline 2 x expert 2 (1F1B
+Whole iterations (fp32, and bf16 where the name says so): the Trainer (GPT, 4 processes, a node per 2 ranks) on pipeline 2 x expert 2 (1F1B
 on an uneven split with dense layers; 1F1B with `optimizer.distributed`; interleaved 1F1B over 2
 virtual stages on an uneven split with S2 + FasterMoE and `optimizer.distributed`) and on one
 stage with tensor 2 x expert 2 records its routing trace; every rank's every counter of each
@@ -170,6 +170,17 @@ PIPELINE_RUNS = {  # name: (RankLayout kwargs, overrides on PIPELINE_COMMON)
         "parallel.pipeline_layers=[2,1,1,1]", "optimizer.distributed=true", "moe.schedule=s2",
         "moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1"]),
     "one-stage-tp2": (dict(tensor=2, expert=2), ["parallel.tensor=2", "parallel.expert=2", "model.num_layers=2"]),
+    # bf16: activations, tokens, stage messages and the weights Trans and the ZeRO-1 all-gather send
+    # in 2 bytes; main gradients (Agg, grad sync) in 4; vExpert moves in 4 (fp32 master, moments)
+    "1f1b-distributed-bf16-proprophet": (dict(pipeline=2, expert=2), PP2_EP2 + [
+        "model.num_layers=4", "optimizer.distributed=true", "training.precision=bf16", "moe.balancer=proprophet",
+        "moe.proprophet.min_replicas=1"]),
+    "one-stage-tp2-bf16-s2-saa-fastermoe": (dict(tensor=2, expert=2), [
+        "parallel.tensor=2", "parallel.expert=2", "model.num_layers=2", "training.precision=bf16", "moe.schedule=s2",
+        "moe.saa=true", "moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1"]),
+    "one-stage-ep2-bf16-flexmoe-smart": (dict(expert=2), [
+        "parallel.expert=2", "model.num_layers=2", "training.precision=bf16", "moe.balancer=flexmoe",
+        "moe.flexmoe.interval=1", "moe.flexmoe.threshold=1.0", "moe.smart_schedule=true"]),
 }
 
 
@@ -212,8 +223,13 @@ def test_simulated_pipeline_bytes_equal_the_real_counters(pipeline_runs, name):
         sim = Simulation(_pipeline_config(name, tmp), load_profile(PROFILE), 4, work)
         steps = list(sim.trace(os.path.join(tmp, name, "routing"), 0).steps())
         assert [it for it, _, micro in steps if micro is not None] == [1, 2]  # per micro-batch counts, replayed
+        kinds = set()
         for i, (iteration, counts, micro) in enumerate(steps):
             result = sim.iteration(iteration, counts, micro)
             _compare([r[name][i] for r in ranks], sim.traffic, f"{name} iteration {iteration}")
+            kinds |= {key.split("/")[0] for r in ranks for key, v in r[name][i][0].items() if v}
             pipelined = PIPELINE_RUNS[name][0].get("pipeline", 1) > 1
             assert (0 < result.pipeline_bubble < 1 and result.pipeline_bubble_ideal > 0) == pipelined
+        # the balancers' traffic ran (and was predicted): replicas, vExpert moves, the smart schedule
+        wanted = {"proprophet": "trans", "fastermoe": "trans", "flexmoe": "vexpert_move", "smart": "smart_p2p"}
+        assert {wanted[w] for w in name.split("-") if w in wanted} <= kinds, (name, kinds)

@@ -218,16 +218,20 @@ def test_timeline_semantics(cluster_profile):
 def test_one_layer_times_by_hand(cluster_profile, tmp_path):
     """2 ranks on one node, expert 2, top-1, 2 experts, hidden 8, ffn 16, 8 tokens each: every
     token of rank 0 to expert 1 and of rank 1 to expert 0, dropless, no TP."""
-    cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=8", "model.num_attention_heads=2",
-                             "model.seq_length=8", "moe.num_experts=2", "moe.top_k=1", "moe.expert_ffn_hidden_size=16",
-                             "parallel.expert=2", "training.micro_batch_size=1", "training.global_batch_size=2"])
-    sim = Simulation(cfg, load_profile(cluster_profile), 2, str(tmp_path))
+    overrides = ["model.num_layers=1", "model.hidden_size=8", "model.num_attention_heads=2", "model.seq_length=8",
+                 "moe.num_experts=2", "moe.top_k=1", "moe.expert_ffn_hidden_size=16", "parallel.expert=2",
+                 "training.micro_batch_size=1", "training.global_batch_size=2"]
+    sim = Simulation(load_config(None, overrides), load_profile(cluster_profile), 2, str(tmp_path))
     counts = np.array([[0, 8], [8, 0]])
     flops = 8 * 2 * 8 * 16 * 2 * 1e-12  # 8 rows x 2 h f x 2 matrices, 1e-12 s per FLOP
     a2a = 1e-3 + 1e-6 * 8 * 8  # 8 rows of 8 elements to the other rank (one node)
-    counts_gather = 1e-3 + 1e-6 * 2 * 2  # E counts from each of 2 ranks
+    counts_gather = 1e-3 + 1e-6 * 2 * 2 * 2  # E int64 counts (2 fp32 elements' bytes each) from each of 2 ranks
     expected = counts_gather + 4 * a2a + 3 * flops  # forward: 2 all-to-alls, experts; backward: 2 x experts
     assert sim.layer_seconds(counts) == pytest.approx(expected)
+    # bf16: the tokens' bytes halve, the profile's beta is per fp32 element's 4 bytes
+    bf16 = Simulation(load_config(None, overrides + ["training.precision=bf16"]), load_profile(cluster_profile), 2,
+                      str(tmp_path / "bf16"))
+    assert bf16.layer_seconds(counts) == pytest.approx(counts_gather + 4 * (1e-3 + 1e-6 * 8 * 8 / 2) + 3 * flops)
 
 
 @pytest.mark.parametrize("balancer,iterations", [("none", 20), ("fastermoe", 5), ("proprophet", 5), ("eplb", 11),
