@@ -1,6 +1,10 @@
 """Shared pieces of the checkpoint tests: a tiny synthetic dataset (no corpus to build, so spawned
-ranks start fast) and a Mixtral-shaped tiny config."""
+ranks start fast), a Mixtral-shaped tiny config, a hardware profile under which vExperts move, and the tensors of a
+Hugging Face directory."""
+import json
+
 import numpy as np
+import yaml
 
 from megatron_moe.config import load_config
 
@@ -58,3 +62,30 @@ class SyntheticBertSamples:
 def synthetic_bert_datasets(cfg):
     n = max(1, cfg.training.train_iters) * cfg.training.global_batch_size
     return SyntheticBertSamples(n, cfg.model.seq_length, cfg.model.vocab_size), None
+
+
+def hf_tensors(path):
+    """Every tensor of a Hugging Face directory (`path`: a pathlib.Path): the shards its index
+    names, or `model.safetensors`."""
+    from safetensors.torch import load_file
+
+    from megatron_moe.convert.hf_common import INDEX
+
+    files = json.loads((path / INDEX).read_text())["weight_map"].values() if (path / INDEX).exists() \
+        else ["model.safetensors"]
+    out = {}
+    for name in sorted(set(files)):
+        out.update(load_file(str(path / name)))
+    return out
+
+
+def cheap_moves_profile(tmp_path) -> str:
+    """The 2-process CPU profile with point-to-point traffic ~free (written under the pathlib.Path
+    `tmp_path`): FlexMoE's cost model then expands, shrinks and migrates often on the tiny model
+    (with real costs it rarely moves)."""
+    with open("configs/hardware/cpu_gloo_2proc.yaml") as f:
+        profile = yaml.safe_load(f)
+    profile["p2p"]["alpha"], profile["p2p"]["beta"] = 0.0, 1e-16
+    path = tmp_path / "cheap_moves.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return str(path)

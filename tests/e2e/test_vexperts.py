@@ -8,10 +8,10 @@ either, and report backward all-to-all time that is partly hidden."""
 import os
 
 import pytest
-import yaml
 
 from megatron_moe.convert.offline import read_checkpoint, reshard
 from megatron_moe.training.checkpoint import read_meta
+from tests.checkpoint_helpers import cheap_moves_profile
 from tests.e2e.test_train_cli import INVARIANCE, ROOT, train
 
 pytestmark = pytest.mark.e2e
@@ -29,19 +29,8 @@ LAYOUTS = {"ep2": (2, ["parallel.expert=2"]),
                                           + LANCET)}
 
 
-def _cheap_moves_profile(tmp_path) -> str:
-    """The 2-process CPU profile with point-to-point traffic ~free: FlexMoE's cost model then
-    expands, shrinks and migrates often on the tiny model (with real costs it rarely moves)."""
-    with open("configs/hardware/cpu_gloo_2proc.yaml") as f:
-        profile = yaml.safe_load(f)
-    profile["p2p"]["alpha"], profile["p2p"]["beta"] = 0.0, 1e-16
-    path = tmp_path / "cheap_moves.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    return str(path)
-
-
 BALANCERS = {"flexmoe": lambda tmp: ["moe.balancer=flexmoe", "moe.flexmoe.threshold=1.0", "moe.flexmoe.interval=1",
-                                     f"perf.hardware_profile={_cheap_moves_profile(tmp)}"],
+                                     f"perf.hardware_profile={cheap_moves_profile(tmp)}"],
              "eplb": lambda tmp: ["moe.balancer=eplb", "moe.eplb.interval=2"]}
 
 

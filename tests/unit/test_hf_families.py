@@ -19,6 +19,7 @@ from megatron_moe.convert.hf_common import INDEX
 from megatron_moe.convert.hf_families import family_of
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.distributed.parallel_state import ParallelState
+from tests.checkpoint_helpers import hf_tensors
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -53,17 +54,6 @@ def _hf_model(family, path):
     return model
 
 
-def _tensors(path):
-    from safetensors.torch import load_file
-
-    files = json.loads((path / INDEX).read_text())["weight_map"].values() if (path / INDEX).exists() \
-        else ["model.safetensors"]
-    out = {}
-    for name in sorted(set(files)):
-        out.update(load_file(str(path / name)))
-    return out
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_round_trip_and_logits(family, tmp_path):
     hf = _hf_model(family, tmp_path / "hf")
@@ -75,7 +65,7 @@ def test_round_trip_and_logits(family, tmp_path):
     offline.export_hf(str(tmp_path / "ours"), str(tmp_path / "out"), max_shard_bytes=64 << 10)
     index = json.loads((tmp_path / "out" / INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 1  # streamed into several shards
-    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    original, exported = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "out")
     assert original.keys() == exported.keys()
     assert all(torch.equal(original[k], exported[k]) for k in original), family
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == family
@@ -85,7 +75,7 @@ def test_round_trip_and_logits(family, tmp_path):
     # a checkpoint in another layout (chunks of tensor 2 x expert 2) exports the same tensors
     resharded = offline.reshard(str(tmp_path / "ours"), str(tmp_path / "tp2ep2"), 2, 2, 1)
     offline.export_hf(resharded, str(tmp_path / "out2"))
-    again = _tensors(tmp_path / "out2")
+    again = hf_tensors(tmp_path / "out2")
     assert again.keys() == original.keys() and all(torch.equal(original[k], again[k]) for k in original)
 
 
