@@ -58,7 +58,7 @@ def run_row(name, leaf, xs, dys, counts, offsets):
         gg._PAD_MAX_ROWS_PER_GROUP, gg._PAD_MAX_BLOWUP, gg._NATIVE_TEMP_MAX_ELEMENTS = KERNELS[name]
     try:
         for x, dy in zip(xs, dys):
-            gg.grouped_mm_into_grad(x, leaf, None, 1.0, counts, _RunNow() if name in KERNELS else None).backward(dy)
+            gg.grouped_mm_into_grad(x, leaf, 1.0, counts, _RunNow() if name in KERNELS else None).backward(dy)
     finally:
         gg._PAD_MAX_ROWS_PER_GROUP, gg._PAD_MAX_BLOWUP, gg._NATIVE_TEMP_MAX_ELEMENTS = saved
 

@@ -28,7 +28,7 @@ that need a hardware profile (auto, fastermoe) use one calibrated on these ranks
 that load drifts hit every row alike; a repetition's time is the slowest rank's.
 
 Reported per row: median ms over --reps after --warmup; `bytes` (rank 0) and `bytes_all_ranks`
-(summed over every rank) per "<op kind>/<group>" for one forward + backward, and
+(summed over every rank) per "<op kind>/<group>" for one repetition, and
 `inter_node_bytes_all_ranks` the part sent across (simulated, --ranks-per-node) nodes; `exposed_ms` /
 `total_ms` per op kind (rank 0's median: time blocked by communication vs its whole span);
 speedup_vs_baseline = baseline median / row median; `max_abs_diff_vs_baseline`: the largest
@@ -37,9 +37,21 @@ row computes the same math, so this is float rounding); `balance_ratio`: max / m
 of the rows each computes (FlexMoE Eq. 6, summed over the ep_esp groups; last repetition);
 `replicas`, `trans_bytes`, `agg_bytes`: expert replicas and their weight / gradient bytes (rank
 0); `vexpert_moves`, `vexpert_move_bytes`: for flexmoe / eplb rows, the primitives executed
-between repetitions (every --vexpert-interval, untimed, weights only: no optimizer here) and the
-bytes rank 0 (and all ranks: `vexpert_move_bytes_all_ranks`) sent for them, over the whole run; their replicas' gradient all-reduce is timed
-(`before_grad_sync`); for auto rows the schedule Alg. 1 picked (last repetition). The JSON's
+(decided every --vexpert-interval repetitions; weights only: no optimizer here) and the bytes rank
+0 (and all ranks: `vexpert_move_bytes_all_ranks`) sent for them, over the whole run. A vExpert
+row's repetition is the previous one's `after_optimizer_step` (the decision and its moves) and
+then forward + backward, all timed, as in a training iteration: a synchronous round
+(`flexmoe`, `eplb`) lands inside `after_optimizer_step`, a best-effort one (`flexmoe:best_effort`,
+`moe.flexmoe.moves`) in the forward of its layer, after the layers before it ran;
+`vexpert_move_ms` sums the moves' exposed and total time (rank 0, timed repetitions). The
+replicas' gradient all-reduce is timed too (`before_grad_sync`). `memory_per_rank`: each rank's
+parameter bytes of the row's layers (`param_bytes`; vExperts: one copy per expert a rank holds),
+the AdamW state they would have (`adam_state_bytes`: two fp32 moments per parameter, and an fp32
+master in bf16), both after the run, and the replica weights *Trans* brought in for one
+repetition's forward (`replica_param_bytes`: FasterMoE's shadows, Pro-Prophet's replicas; their
+gradients take as much again until *Agg*). For auto rows: the schedule Alg. 1 picked (last
+repetition). --drift K rolls the --skew bias by one expert every K repetitions (drifting routing:
+the vExpert balancers keep moving). The JSON's
 `routing_counts` are every data-parallel rank's routed assignments per expert before drops, per
 TP token piece ([dp][tp][E], S1's pieces): what the cluster simulator replays
 (`benchmarks/sim_validate.py`). --precision bf16 runs every row on bf16 weights and tokens with
@@ -103,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vexpert-interval", type=int, default=1,
                    help="flexmoe / eplb rows: re-plan the vExpert slots every N repetitions (moe.*.interval)")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of a fixed router-logit bias (0 = none)")
+    p.add_argument("--drift", type=int, default=0,
+                   help="with --skew: roll the bias by one expert every N repetitions (0 = fixed)")
     p.add_argument("--min-shadow", type=int, default=0, help="moe.fastermoe.min_shadow")
     p.add_argument("--min-replicas", type=int, default=0, help="moe.proprophet.min_replicas")
     p.add_argument("--layers", type=int, default=1,
@@ -138,13 +152,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-BALANCER_VARIANTS = {"proprophet:overlap": "proprophet"}  # + Pro-Prophet's block-wise scheduler (Alg. 2)
+BALANCER_VARIANTS = {"proprophet:overlap": "proprophet",  # + Pro-Prophet's block-wise scheduler (Alg. 2)
+                     "flexmoe:best_effort": "flexmoe"}  # moe.flexmoe.moves=best_effort (FlexMoE §4)
 
 
 def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: bool = False) -> Config:
     cfg = Config()
     cfg.moe.proprophet.overlap = balancer == "proprophet:overlap"
     cfg.moe.proprophet.min_replicas = args.min_replicas
+    cfg.moe.flexmoe.moves = "best_effort" if balancer == "flexmoe:best_effort" else "sync"
     balancer = BALANCER_VARIANTS.get(balancer, balancer)
     m, moe = cfg.model, cfg.moe
     m.hidden_size, m.activation, m.seq_length = args.hidden, args.activation, args.seq
@@ -181,6 +197,19 @@ class LayerStack(torch.nn.Module):
                        replicas=sum(s.replicas for s in stats))
 
 
+def skew_bias(args, rep: int) -> torch.Tensor:
+    """[E] the --skew Zipf bias on the router logits at repetition `rep` (rolled with --drift)."""
+    bias = -args.skew * torch.log(torch.arange(1, args.experts + 1, dtype=torch.float32))
+    return bias.roll(rep // args.drift) if args.drift else bias
+
+
+def memory_bytes(stack: LayerStack, precision: str, replica_bytes: int) -> list:
+    """[parameter bytes, AdamW state bytes they would have, replica weight bytes of one forward] of this rank."""
+    params = sum(p.numel() * p.element_size() for p in stack.parameters())
+    per_element = 8 + (4 if precision != "fp32" else 0)  # two fp32 moments (+ the fp32 master of a bf16 weight)
+    return [params, sum(p.numel() for p in stack.parameters()) * per_element, replica_bytes]
+
+
 def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> LayerStack:
     schedule, saa = ROWS[row]
     cfg = layer_config(args, schedule, saa, balancer, smart)
@@ -190,7 +219,7 @@ def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> La
         if row == "auto_saa_s1_phased":
             layer.schedule = AutoWithPhasedS1(cfg, state)
         if args.skew:
-            layer.router.logit_bias = -args.skew * torch.log(torch.arange(1, args.experts + 1, dtype=torch.float32))
+            layer.router.logit_bias = skew_bias(args, 0)
         init_model_from_seed_(layer, args.seed + index, state)
         layers.append(cast_params_(layer, args.precision))
     stack = LayerStack(layers).to(device)
@@ -316,7 +345,8 @@ def sum_over_ranks(counters: dict, state) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    state = init_state(args.tensor, args.expert, args.expert_shard, ranks_per_node=args.ranks_per_node)
+    state = init_state(args.tensor, args.expert, args.expert_shard, ranks_per_node=args.ranks_per_node,
+                       side_channels=["ep"] if "flexmoe:best_effort" in args.balancer else [])  # as the trainer
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
     gen = torch.Generator().manual_seed(args.seed + state.dp.rank)  # same tokens on a TP group
@@ -334,15 +364,22 @@ def main(argv=None) -> int:
     comm_times = {name: [] for name in layers}
     bytes_, inter_node, picked, outputs, loads, replicas = {}, {}, {}, {}, {}, {}
 
-    def step(name):
+    moves = {name: [0, 0] for name in layers}  # vExpert primitives, bytes sent (this rank) over the run
+    move_ms = {name: [0.0, 0.0] for name in layers}  # vExpert moves' exposed, total ms (timed repetitions)
+
+    def step(name, rep):
         layer = layers[name]
         C.COMM_STATS.reset()
+        if rep > 0:  # vExperts (flexmoe, eplb): the previous repetition's decision and moves, as after a step
+            for each in layer.layers:
+                moves[name][0] += each.balancer.after_optimizer_step(rep, None)
         inp = x.clone().requires_grad_(True)
         y, aux = layer(inp)
         ((y * grad).sum() + aux).backward()
         for each in layer.layers:  # vExperts (flexmoe, eplb): the slots of an expert sum their gradients
             each.balancer.before_grad_sync()
         bytes_[name], inter_node[name] = C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)
+        moves[name][1] += bytes_of_kind(bytes_[name], "vexpert_move")
         comm_times[name].append(C.COMM_STATS.seconds_by_kind(resolve=False))  # read after the timed step
         picked[name], replicas[name] = layer.last_stats.schedule, layer.last_stats.replicas
         loads[name] = layer.last_stats.tokens_per_ep_rank
@@ -367,22 +404,22 @@ def main(argv=None) -> int:
         if args.capacity_factor is None:
             check_deepspeed_equals_baseline(deepspeed, layers["baseline"], x, state)
 
-    moves = {name: [0, 0] for name in layers}  # vExpert primitives, bytes sent (this rank) over the run
-
-    def adapt(name, iteration):  # between steps, untimed: FlexMoE / EPLB move slots (weights only here)
-        C.COMM_STATS.reset()
-        for layer in layers[name].layers:
-            moves[name][0] += layer.balancer.after_optimizer_step(iteration, None)
-        moves[name][1] += bytes_of_kind(C.COMM_STATS.snapshot(), "vexpert_move")
-
     for rep in range(args.warmup + args.reps):
+        if args.drift:
+            for layer in (each for stack in layers.values() for each in stack.layers):
+                layer.router.logit_bias = skew_bias(args, rep).to(device)
         for name in times:
-            seconds = slowest_rank_seconds(step_deepspeed if name == "deepspeed" else lambda: step(name), state)
+            seconds = slowest_rank_seconds(step_deepspeed if name == "deepspeed" else lambda: step(name, rep), state)
             if rep >= args.warmup:
                 times[name].append(seconds * 1e3)
-            if name != "deepspeed":
-                adapt(name, rep + 1)
+                if name != "deepspeed":
+                    spent = C.resolved(comm_times[name][-1])
+                    move_ms[name][0] += spent["exposed"].get("vexpert_move", 0.0) * 1e3
+                    move_ms[name][1] += spent["total"].get("vexpert_move", 0.0) * 1e3
     medians = {name: statistics.median(ts) for name, ts in times.items()}
+    for stack in layers.values():  # best-effort moves of the last repetition land before memory is counted
+        for layer in stack.layers:
+            layer.balancer.complete_moves()
     results = {}
     for name in times:
         diff = max(float((a - b).abs().max()) for a, b in zip(outputs[name], outputs["baseline"]))
@@ -406,6 +443,10 @@ def main(argv=None) -> int:
             "vexpert_moves": moves[name][0], "vexpert_move_bytes": moves[name][1],
             "vexpert_move_bytes_all_ranks": int(C.all_reduce(torch.tensor([float(moves[name][1])],
                                                                           dtype=torch.float64), state.world)[0]),
+            "vexpert_move_ms": {"exposed": round(move_ms[name][0], 3), "total": round(move_ms[name][1], 3)},
+            "memory_per_rank": dict(zip(("param_bytes", "adam_state_bytes", "replica_param_bytes"), C.all_gather(
+                torch.tensor([memory_bytes(layers[name], args.precision, bytes_of_kind(bytes_[name], "agg"))],
+                             dtype=torch.int64), state.world).T.tolist())),
         }
         if ROWS[name.split("+")[0]][0] == "auto":
             results[name]["picked"] = picked[name]

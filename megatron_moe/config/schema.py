@@ -59,6 +59,7 @@ class FlexMoEConfig:
     trigger: str = "threshold"  # threshold: check Eq. 6 every iteration, plan when it exceeds threshold | interval
     policy: str = "straggler"  # Alg. 2's candidates: straggler (relative to the slowest GPU, general Migrate) | printed
     amortize_steps: Optional[int] = None  # iterations a move's transfer cost is spread over; null = 100 (threshold) / interval
+    moves: str = "sync"  # sync: moves land right after the optimizer step | best_effort: in flight until the layer's next forward (§4)
 
 
 @dataclass

@@ -339,15 +339,19 @@ def reduce_async(t: torch.Tensor, dst_index: int, group: Group, kind: str = "red
 
 
 def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, kind: str = "send", tag: int = 0,
-                 sink: Optional[TimeSink] = None) -> Pending:
+                 sink: Optional[TimeSink] = None, side: bool = False) -> Pending:
     """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
     (batch_isend_irecv, as NCCL needs) and return one handle to wait on. Counts the bytes sent as
     `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself.
     Messages between two ranks match in posting order (and by tag where the backend uses tags: an
-    entry may carry its own, `(group rank, tensor, tag)`; `tag` is the default)."""
+    entry may carry its own, `(group rank, tensor, tag)`; `tag` is the default). `side`: on the
+    group's side channel (`Group.side_handle`) where it has one, so that the messages can stay in
+    flight while collectives run on the group."""
+    handle = group.side_handle if side and group.side_handle is not None else group.handle
+
     def op(fn, item):
         i, t = item[0], item[1]
-        return dist.P2POp(fn, t.contiguous() if fn is dist.isend else t, group.global_rank(i), group.handle,
+        return dist.P2POp(fn, t.contiguous() if fn is dist.isend else t, group.global_rank(i), handle,
                           item[2] if len(item) > 2 else tag)
 
     ops = [op(dist.isend, item) for item in sends if item[1].numel()]

@@ -8,13 +8,18 @@ from typing import Any, List, Optional
 @dataclass
 class Group:
     """One process group as this rank sees it. `handle` is the torch ProcessGroup (None if the
-    process group machinery is not initialized, e.g. single process)."""
+    process group machinery is not initialized, e.g. single process). `side_handle`: a second
+    process group over the same ranks (`ParallelState.build(side_channels=...)`), for traffic that
+    stays in flight while the group's collectives run and must not queue behind them or they
+    behind it (one communicator serializes its work: NCCL on its stream, gloo on its connections);
+    None when none was built."""
 
     name: str
     ranks: List[int]
     rank: int  # index of this process within `ranks`
     handle: Optional[Any] = None
     ranks_per_node: Optional[int] = None  # RankLayout's: which members share this rank's node
+    side_handle: Optional[Any] = None
 
     @property
     def size(self) -> int:

@@ -33,12 +33,20 @@ local rank 1 of stage 1, its ``pp`` group {1, 9}, its ``embedding`` group {1, 9}
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_moe.config.registry import Hooks
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.group import Group
 
 GROUP_NAMES = ("tp", "dp", "pp", "ep", "esp", "ep_esp", "edp", "embedding", "world")
+# cfg -> group names that need a side channel (`Group.side_handle`): FlexMoE's best-effort moves
+SIDE_CHANNELS: Hooks = Hooks("process-group side channels", ("flexmoe",))
+
+
+def side_channels(cfg) -> List[str]:
+    """The groups a config's techniques want a side channel on (`SIDE_CHANNELS`), sorted."""
+    return sorted({name for _, wants in SIDE_CHANNELS.items() for name in wants(cfg)})
 
 
 @dataclass(frozen=True)
@@ -118,9 +126,10 @@ class ParallelState:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def build(cls, layout: RankLayout, rank: int) -> "ParallelState":
+    def build(cls, layout: RankLayout, rank: int, side_channels: Sequence[str] = ()) -> "ParallelState":
         """Create every group of every kind (all ranks call new_group in the same order, as
-        torch.distributed requires) and keep the ones this rank belongs to."""
+        torch.distributed requires) and keep the ones this rank belongs to; for each kind in
+        `side_channels`, a second process group over the same ranks (`Group.side_handle`)."""
         state = cls(layout=layout, rank=rank)
         distributed = collectives.is_initialized()
         for name in GROUP_NAMES:
@@ -128,6 +137,11 @@ class ParallelState:
                 handle = collectives.new_group(ranks) if distributed else None
                 if rank in ranks:
                     state.groups[name] = Group(name, ranks, ranks.index(rank), handle, layout.ranks_per_node)
+        for name in sorted(side_channels):
+            for ranks in layout.groups(name):
+                handle = collectives.new_group(ranks) if distributed else None
+                if rank in ranks:
+                    state.groups[name].side_handle = handle
         return state
 
     @classmethod

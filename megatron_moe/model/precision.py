@@ -6,7 +6,8 @@
   rotary embeddings and the attention softmax compute in fp32 and return the input's dtype
   (moe/router.py, tensor_parallel/cross_entropy.py, model/norm.py, model/rotary.py, model/attention.py).
 * `attach_main_grads(params, flat)`: each parameter gets `p.main_grad`, an fp32 view into a flat,
-  contiguous buffer (Megatron-Core's `DistributedDataParallel` grad buffer, `param.main_grad`).
+  contiguous buffer (Megatron-Core's `DistributedDataParallel` grad buffer, `param.main_grad`);
+  vExpert stacks (`varying_rows`) get their own, re-allocated when moves change their rows.
   Backward accumulates every micro-batch's gradient there: kernels that can, write their weight
   gradient straight into it (`accumulate_wgrad_`, Megatron's gradient-accumulation fusion: the
   expert grouped GEMM, `moe/grouped_gemm.py`, Lancet's deferred dW, `moe/lancet.py`, replicas' Agg,
@@ -94,25 +95,42 @@ def attach_main_grads(params: Sequence[torch.nn.Parameter], flat: torch.Tensor,
 
 
 class MainGrads:
-    """One flat fp32 gradient buffer per device over `params`, attached as their `main_grad`."""
+    """One flat fp32 gradient buffer per device over `params`, attached as their `main_grad`.
+    A parameter marked `varying_rows` (a vExpert stack, moe/vexperts.py: its row count follows
+    the experts its rank holds) gets a main gradient of its own instead, re-allocated with its
+    shape (`resize_main_grad`)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter]):
         by_device: Dict[torch.device, List[torch.nn.Parameter]] = {}
+        self.own: List[torch.nn.Parameter] = []
         for p in params:
-            by_device.setdefault(p.device, []).append(p)
+            if getattr(p, "varying_rows", False):
+                self.own.append(p)
+            else:
+                by_device.setdefault(p.device, []).append(p)
         self.buffers = []
         for device, group in by_device.items():
             flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=device)
             attach_main_grads(group, flat)
             self.buffers.append(flat)
+        for p in self.own:
+            attach_main_grads([p], torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
 
     def zero_(self) -> None:
         for flat in self.buffers:
             flat.zero_()
+        for p in self.own:
+            p.main_grad.zero_()
 
     @property
     def nbytes(self) -> int:
-        return sum(flat.numel() * flat.element_size() for flat in self.buffers)
+        return sum(t.numel() * t.element_size() for t in self.buffers + [p.main_grad for p in self.own])
+
+
+def resize_main_grad(p: torch.nn.Parameter) -> None:
+    """A `varying_rows` parameter's main gradient, zero, re-allocated to its current shape."""
+    assert getattr(p, "varying_rows", False), "only vExpert stacks change shape"
+    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
 
 def _out_dtype_mm(device: torch.device) -> bool:

@@ -24,11 +24,12 @@ owned w1 / w2 go through `grouped_mm_into_grad`, which adds their weight gradien
 `grad_scale`, the schedule's redundancy correction) straight into the held rows of `.grad`
 instead of through autograd: no `[E, ...]` gradient is allocated and added per micro-batch.
 
-vExpert slots (`slots_per_rank`, FlexMoE / EPLB, `moe/vexperts.py`): the local stacks are
-[V, ...] slots instead of [E/ep, ...] owned experts; `slot_table` says which expert each holds,
-the held experts are computed with their first slot (one `index_select` per stack when that is
-not all slots in order), and the parameters carry `expert_rows` for checkpoints and
-initialization and `vexpert_slots` for the gradient norm.
+vExpert slots (`slots_per_rank`, FlexMoE / EPLB, `moe/vexperts.py`): `slot_table` says which
+expert each of the rank's V slots holds; the local stacks hold one row per expert the rank holds
+(`SlotTable.resident`, ascending), not one per slot: vExperts of one expert on a rank share a row
+(FlexMoE §3.1) and a free slot holds nothing. The row count changes when moves change the rank's
+experts (`moe/vexpert_moves.py`; the parameters are `varying_rows`), and the parameters carry
+`expert_rows` for checkpoints and initialization and `vexpert_slots` for the gradient norm.
 
 Lancet (`moe.lancet.defer_wgrad`, `techniques/lancet/lancet.py`): with `wgrad` set, those weight-gradient
 additions are queued for the model's `WGradScheduler` instead of run in backward.
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -80,8 +81,9 @@ class Experts(torch.nn.Module):
             meta = ParamMeta("expert", (num_experts,) + shape, [(0, "ep"), (dim, "esp")], init=init, std=std, role=role)
             if self.slot_table is None:
                 return make_param(meta, state)
-            p = torch.nn.Parameter(torch.zeros((slots_per_rank,) + meta.local_shape(state)[1:]))
-            p.meta, p.vexpert_slots = meta, self.slot_table
+            rows = len(self.slot_table.resident(state.ep.rank))  # one per expert held, not per slot
+            p = torch.nn.Parameter(torch.zeros((rows,) + meta.local_shape(state)[1:]))
+            p.meta, p.vexpert_slots, p.varying_rows = meta, self.slot_table, True
             p.expert_rows = lambda: expert_rows(self.slot_table)
             return p
 
@@ -96,15 +98,6 @@ class Experts(torch.nn.Module):
         if self.slot_table is not None:
             return self.slot_table.resident(self.ep_rank)
         return list(range(self.first_expert, self.first_expert + self.num_local))
-
-    def held_index(self) -> Optional[torch.Tensor]:
-        """Rows of the stacks that compute `owned_expert_ids` (None: all, in order)."""
-        if self.slot_table is None:
-            return None
-        index = self.slot_table.compute_slots(self.ep_rank)
-        if index == list(range(self.slot_table.shape[1])):
-            return None
-        return torch.tensor(index, dtype=torch.long, device=self.w1.device)
 
     def stacks(self) -> List[torch.Tensor]:
         """The parameters *Trans* moves for a replica, in a fixed order (moe/replicas.py)."""
@@ -125,29 +118,30 @@ class Experts(torch.nn.Module):
             raise LookupError(f"EP rank {self.ep_rank} was asked to compute expert(s) {missing}, which it neither "
                               f"owns ({owned}) nor received as replicas ({held})")
         own_rows = sum(batch.counts[: len(owned)])
-        index = self.held_index()  # biases: rows of the stacks through autograd; w1 / w2: the leaves themselves
-        held = [self.w1, self.w2] + [scale_grad(p if index is None else p.index_select(0, index), grad_scale)
-                                     for p in (self.b1, self.b2) if p is not None]
-        outputs = [self._ffn(batch.tokens[:own_rows], held, batch.counts[: len(owned)], (index, grad_scale))]
+        # biases through autograd; w1 / w2: the leaves themselves (every row: one per held expert)
+        held = [self.w1, self.w2] + [scale_grad(p, grad_scale) for p in (self.b1, self.b2) if p is not None]
+        # a vExpert rank may hold no expert at all (its slots all free): nothing of its own to compute
+        outputs = [self._ffn(batch.tokens[:own_rows], held, batch.counts[: len(owned)], grad_scale)
+                   if owned else batch.tokens[:0]]
         if replicas is not None:  # also with no rows here: Trans's backward (Agg) must run on every rank
             outputs.append(self._ffn(batch.tokens[own_rows:], [scale_grad(p, grad_scale) for p in replicas.stacks()],
                                      batch.counts[len(owned):]))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int],
-             leaves: Optional[Tuple[Optional[torch.Tensor], float]] = None) -> torch.Tensor:
+             own_grad_scale: Optional[float] = None) -> torch.Tensor:
         """x [m, h] grouped by expert (`counts`) through stacked shards (`stacks()` order) -> [m, h].
-        `leaves` (held rows index, grad scale): w1 / w2 are this module's own stacks (rows `index`
-        of them) and their weight gradients, times the scale, go straight into `.grad`, in backward
-        or deferred by Lancet's scheduler (`grouped_mm_into_grad`)."""
+        With `own_grad_scale`, w1 / w2 are this module's own stacks and their weight gradients,
+        times the scale, go straight into `.grad`, in backward or deferred by Lancet's scheduler
+        (`grouped_mm_into_grad`)."""
         w1, w2 = params[0], params[1]
         b1, b2 = (params[2], params[3]) if len(params) == 4 else (None, None)
         experts = len(counts)
 
         def project(rows, weight):  # [m, k] through [G, k, n]
-            if leaves is None:
+            if own_grad_scale is None:
                 return grouped_mm(rows, weight.reshape(experts, weight.shape[1], math.prod(weight.shape[2:])), counts)
-            return grouped_mm_into_grad(rows, weight, leaves[0], leaves[1], counts, self.wgrad)
+            return grouped_mm_into_grad(rows, weight, own_grad_scale, counts, self.wgrad)
 
         hidden = project(x, w1)  # [m, W/esp]
         rows = torch.tensor(counts, dtype=torch.long, device=x.device)

@@ -7,8 +7,8 @@ Two entry points:
 
 * `grouped_mm`: autograd through `w`, whatever `w` is (the replica weights *Trans* moved in are
   not leaves: their gradient must flow back to *Agg*).
-* `grouped_mm_into_grad`: `w` is rows `index` of a leaf stack (an expert parameter; all rows
-  when `index` is None) and its gradient is scaled by `scale`. With a Lancet `WGradScheduler`
+* `grouped_mm_into_grad`: `w` is a leaf stack (an expert parameter, one row per group) and its
+  gradient is scaled by `scale`. With a Lancet `WGradScheduler`
   (`techniques/lancet/lancet.py`), and on the CPU wherever our dW kernels beat the native backward
   (`Groups.own_wgrad_pays`), backward computes dX and adds dW_g = scale x_g^T dy_g straight into
   the leaf's `.grad`: no `[G, k, n]` gradient is allocated per micro-batch and then added, one
@@ -229,62 +229,53 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
-def _held(stack: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    """Rows `index` of a stack [S, k, ...] (all if None), viewed [G, k, n]."""
-    rows = stack if index is None else stack.index_select(0, index)
-    return rows.reshape(rows.shape[0], rows.shape[1], math.prod(rows.shape[2:]))
+def _held(stack: torch.Tensor) -> torch.Tensor:
+    """A stack [G, k, ...] viewed [G, k, n]."""
+    return stack.reshape(stack.shape[0], stack.shape[1], math.prod(stack.shape[2:]))
 
 
-def add_into_grad_(leaf: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, groups: Groups,
-                   index: Optional[torch.Tensor], scale: float) -> None:
+def add_into_grad_(leaf: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, groups: Groups, scale: float) -> None:
     """leaf's gradient (its fp32 `main_grad` in bf16 runs, else `.grad`, created as autograd would)
-    [index (all rows if None)] viewed [G, k, n] += scale x_g^T dy_g."""
-    buffer = grad_buffer(leaf)
-    shape = (len(groups.counts), x.shape[1], dy.shape[1])
-    if index is None:
-        add_wgrad_(buffer.view(shape), x, dy, groups, scale)
-        return
-    rows = torch.zeros(shape, dtype=buffer.dtype, device=leaf.device)
-    add_wgrad_(rows, x, dy, groups, scale)
-    buffer.index_add_(0, index, rows.view((shape[0],) + tuple(leaf.shape[1:])))
+    viewed [G, k, n] += scale x_g^T dy_g."""
+    add_wgrad_(grad_buffer(leaf).view(len(groups.counts), x.shape[1], dy.shape[1]), x, dy, groups, scale)
 
 
 class _GroupedMMIntoGrad(torch.autograd.Function):
-    """Grouped GEMM through rows `index` of a leaf stack; dW accumulated into the leaf's `.grad`."""
+    """Grouped GEMM through a leaf stack; dW accumulated into the leaf's `.grad`."""
 
     @staticmethod
-    def forward(ctx, x, leaf, index, scale, groups, scheduler):
-        x, w = _autocast_pair(x, _held(leaf.detach(), index))
+    def forward(ctx, x, leaf, scale, groups, scheduler):
+        x, w = _autocast_pair(x, _held(leaf.detach()))
         ctx.save_for_backward(x)
-        ctx.leaf, ctx.index, ctx.scale, ctx.groups, ctx.scheduler = leaf, index, scale, groups, scheduler
+        ctx.leaf, ctx.scale, ctx.groups, ctx.scheduler = leaf, scale, groups, scheduler
         return _mm(x, w, groups)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        leaf, index, scale, groups = ctx.leaf, ctx.index, ctx.scale, ctx.groups
-        w = _held(leaf.detach(), index).to(x.dtype)
+        leaf, scale, groups = ctx.leaf, ctx.scale, ctx.groups
+        w = _held(leaf.detach()).to(x.dtype)
         grad = grad.to(x.dtype).contiguous()
         dx = _mm(grad, w.transpose(1, 2), groups) if ctx.needs_input_grad[0] else None
 
         def dw():
-            add_into_grad_(leaf, x, grad, groups, index, scale)
+            add_into_grad_(leaf, x, grad, groups, scale)
 
         if ctx.scheduler is None:
             dw()
         else:  # Lancet: run it while a backward all-to-all is in flight (techniques/lancet/lancet.py)
             ctx.scheduler.defer(2.0 * x.shape[0] * x.shape[1] * w.shape[2], dw, (leaf,))
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None
 
 
-def grouped_mm_into_grad(x: torch.Tensor, leaf: torch.nn.Parameter, index: Optional[torch.Tensor], scale: float,
-                         counts: Sequence[int], scheduler=None) -> torch.Tensor:
-    """`grouped_mm(x, leaf[index] viewed [G, k, n], counts)`, differentiable in x only: the weight
-    gradient, times `scale`, goes straight into `leaf.grad` (rows `index`), in backward or, with
-    a Lancet `WGradScheduler`, when that runs its deferred work."""
-    groups = _groups(x, leaf.shape[0] if index is None else index.numel(), counts)
+def grouped_mm_into_grad(x: torch.Tensor, leaf: torch.nn.Parameter, scale: float, counts: Sequence[int],
+                         scheduler=None) -> torch.Tensor:
+    """`grouped_mm(x, leaf viewed [G, k, n], counts)`, differentiable in x only: the weight
+    gradient, times `scale`, goes straight into `leaf.grad`, in backward or, with a Lancet
+    `WGradScheduler`, when that runs its deferred work."""
+    groups = _groups(x, leaf.shape[0], counts)
     if (scheduler is None and not has_main_grad(leaf)
             and not groups.own_wgrad_pays(x.device, leaf[0].numel() * len(groups.counts))):
-        # autograd: the native backward's dW (through index_select's backward and the scale) into `.grad`
-        return _grouped_mm_autograd(x, scale_grad(_held(leaf, index), scale), groups)
-    return _GroupedMMIntoGrad.apply(x, leaf, index, float(scale), groups, scheduler)
+        # autograd: the native backward's dW (through the scale) into `.grad`
+        return _grouped_mm_autograd(x, scale_grad(_held(leaf), scale), groups)
+    return _GroupedMMIntoGrad.apply(x, leaf, float(scale), groups, scheduler)

@@ -80,6 +80,7 @@ class MoELayer(torch.nn.Module):
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
         if is_recomputing():  # training.recompute=full: the original forward again, nothing learned
             return self._recompute(routed, x.reshape(b * s, h), b, s, h, x.dtype)
+        self.balancer.complete_moves()  # best-effort vExpert moves land here, after the layers before this one ran
         planner = _PlanRecorder(self.balancer)
         placement = self.schedule.place(routed, planner)
         if self.keeps_plans and torch.is_grad_enabled():

@@ -3,7 +3,7 @@
 slowest rank's wall time of an op (`perf/timing.py` clocks, collectives from `distributed/`)."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -14,14 +14,14 @@ from megatron_moe.perf.timing import measure
 
 
 def init_state(tensor: int, expert: int, expert_shard: int, backend: str = "auto",
-               ranks_per_node: Optional[int] = None) -> ParallelState:
+               ranks_per_node: Optional[int] = None, side_channels: Sequence[str] = ()) -> ParallelState:
     """Process group from torchrun's environment (or one process) and the ParallelState of a layout
-    (nodes as given, else as the launcher placed the ranks), for the measuring tools
-    (`tools/profile_comm.py`, `benchmarks/moe_layer.py`)."""
+    (nodes as given, else as the launcher placed the ranks; `side_channels` as `ParallelState.build`),
+    for the measuring tools (`tools/profile_comm.py`, `benchmarks/moe_layer.py`)."""
     info = launch.initialize(backend)
     layout = RankLayout(world_size=info.world_size, tensor=tensor, expert=expert, expert_shard=expert_shard,
                         ranks_per_node=ranks_per_node or info.ranks_per_node)
-    return ParallelState.build(layout, info.rank)
+    return ParallelState.build(layout, info.rank, side_channels)
 
 
 def process_device():

@@ -9,12 +9,11 @@ weights' width (`Widths.weight`: 2 in bf16 runs, else 4), gradients are fp32 mai
            the owner sends Q x w bytes to each replica.
     Agg    the adjoint: a reduce to the owner (every other rank counts Q x 4), or each replica
            sends Q x 4 bytes to the owner ("agg/ep").
-    vExpert gradients: one all-reduce on ep of every expert held more than once ("vexpert_grad/ep",
-           X x Q x 4 bytes per rank), once per iteration.
-    vExpert moves: `vexperts.plan_transfers` (the code `relocate` runs) between the old and new
-           slots; each transfer's source sends Q (x 3 with AdamW's two moments, x 4 in bf16 with
-           the fp32 master too) x 4 bytes; the bf16 weight alone, before any optimizer state: Q x 2
-           ("vexpert_move/ep").
+    vExpert gradients: one all-reduce on ep of every expert held by more than one EP rank
+           ("vexpert_grad/ep", X x Q x 4 bytes per rank), once per iteration.
+    vExpert moves: `vexpert_moves.plan_transfers` (the transfers `MovesInFlight` posts) between the
+           old and new slots; each transfer's source sends Q (x 3 with AdamW's two moments) x 4
+           bytes ("vexpert_move/ep").
 """
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ from typing import List
 
 import numpy as np
 
-from megatron_moe.moe.vexperts import plan_transfers
+from megatron_moe.moe.vexpert_moves import plan_transfers
+from megatron_moe.moe.vexperts import holders
 from megatron_moe.sim.ops import Op, OpBuilder, Traffic, profile_elements
 
 
@@ -79,21 +79,20 @@ def replica_ops(b: OpBuilder, placements: list, params: int, tensors: int, handl
 
 
 def vexpert_grad_op(b: OpBuilder, slots: np.ndarray, num_experts: int, params: int) -> List[Op]:
-    """`sync_replica_grads`: one all-reduce over ep of the experts held in more than one slot."""
-    shared = int((np.bincount(slots[slots >= 0], minlength=num_experts) > 1).sum())
+    """`sync_replica_grads`: one all-reduce over ep of the experts held by more than one EP rank."""
+    shared = int((holders(slots, num_experts).sum(0) > 1).sum())
     if not shared or b.world.layout.expert == 1:
         return []
     return [b.collective("vexpert_grad", "vexpert_grad", "ep", shared * params, 4, "all_reduce")]
 
 
 def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int, element_bytes: int) -> List[Op]:
-    """`relocate` from `old` to `new` slots [ep, V]: `width` elements of `element_bytes` per transfer
-    between ranks."""
+    """The moves from `old` to `new` slots [ep, V]: `width` elements of `element_bytes` per transfer
+    (each between ranks)."""
     ep = b.world.layout.expert
     P = np.zeros((ep, ep))
     for t in plan_transfers(old, new):
-        if t.src_rank != t.dst_rank:
-            P[t.src_rank, t.dst_rank] += width
+        P[t.src_rank, t.dst_rank] += width
     if not P.any():
         return []
     groups = b.members("ep").shape[0]

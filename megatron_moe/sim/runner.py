@@ -17,7 +17,7 @@ stage, each micro-batch's forward and backward on one timeline; with several, ea
 forward and backward of each micro-batch on its own, ordered by the training code's pipeline
 programs (`sim/stages.py`). After the micro-batches: the vExperts' gradient sum, the gradient
 sync, grad norm and loss sums (`sim/params.py`), and every `interval` iterations the vExperts'
-`decide` on the window averaged over the groups, with the moves `relocate` would make.
+`decide` on the window averaged over the groups, with the moves `vexpert_moves.MovesInFlight` would make.
 
 The decisions come from the training code (`Balancer.plan` / `observe` / `SlotBalancer.decide`,
 `techniques/parm/parm_model.py`'s Alg. 1), fed a flat profile derived from the cluster for this layout

@@ -45,7 +45,7 @@ from megatron_moe.config import Config
 from megatron_moe.config.load import load_config, to_yaml
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.moe.vexperts import fill_duplicates
+from megatron_moe.moe.vexpert_moves import fit_optimizer_rows
 from megatron_moe.training.distributed_optimizer import DistributedOptimizer
 from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
                                                  load_entries, read_json, read_metadata, save_entries, verify_manifest,
@@ -223,6 +223,8 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     (`trainer_state`: plain JSON counters of the trainer, returned as meta["trainer"] on load)."""
     if not cfg.checkpoint.dir:
         raise CheckpointError("checkpoint.dir is not set; cannot save a checkpoint")
+    for layer in (model.moe_layers() if hasattr(model, "moe_layers") else []):
+        layer.balancer.complete_moves()  # best-effort vExpert moves in flight land first
     entries = {**model_entries(model, state, master_weights(model, optimizer)),
                **optimizer_entries(model, optimizer, state)}
     entries.update({k: full_entry(v) for k, v in _rng_states(model, state).items()})
@@ -340,6 +342,7 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
     saved = meta.get("balancers")
     if saved and saved["balancer"] == cfg.moe.balancer and saved["layout"] == layout_dict(state):
         _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
+        fit_optimizer_rows(list(model.parameters()), optimizer)  # stacks re-shaped: their state too
     adam_states = None
     distributed = isinstance(optimizer, DistributedOptimizer)
     if optimizer is not None and meta.get("has_optimizer"):
@@ -366,10 +369,6 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
                 entries[key] = full_entry(rng[key])
     with torch.no_grad():
         load_entries(entries, path)
-    for name, p in model.named_parameters():  # vExperts held twice on a rank: one copy was loaded
-        if hasattr(p, "vexpert_slots"):
-            fill_duplicates(p.vexpert_slots, [p.data] + ([adam_states[name][k] for k in ("exp_avg", "exp_avg_sq", "master")
-                                                          if k in adam_states[name]] if adam_states is not None else []))
     if adam_states is not None:
         _set_adam_states(model, optimizer, adam_states)
     elif distributed and meta.get("has_optimizer"):

@@ -27,7 +27,7 @@ from megatron_moe.config import Config, ConfigError, load_config, parse_cli, val
 from megatron_moe.config.validate import validate_placement
 from megatron_moe.data.datasets import validate_data_config
 from megatron_moe.distributed import collectives, launch
-from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout, side_channels
 from megatron_moe.training.checkpoint import checkpoint_load_error
 from megatron_moe.training.failures import NONFINITE_EXIT, CheckpointError, NonFiniteError
 from megatron_moe.training.trainer import Trainer
@@ -78,7 +78,7 @@ def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> 
             print(f"placement: {info.placement.describe()}", flush=True)
         layout = RankLayout(world_size=info.world_size, tensor=par.tensor, pipeline=par.pipeline,
                             expert=par.expert, expert_shard=par.expert_shard, ranks_per_node=ranks_per_node)
-        state = ParallelState.build(layout, info.rank)
+        state = ParallelState.build(layout, info.rank, side_channels(cfg))
         Trainer(cfg, state, model_cls, datasets).train()
         collectives.barrier(state.world)  # no rank tears its connections down while another still uses them
     finally:

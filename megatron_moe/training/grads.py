@@ -25,8 +25,8 @@ reduce-scatter (training/distributed_optimizer.py); the rest happens here.
 Global grad norm: each parameter counted exactly once. A param's squared norm is summed over the
 groups in ``p.meta.shards`` (its shards are disjoint pieces); replicated copies (over dp, edp, tp,
 esp) are identical after `sync` and are not summed -- the classic MoE bug counts expert or
-tp-replicated params once per copy. vExpert slots holding the same expert (FlexMoE, EPLB) count
-once too (`_squared_norm`), and so does the tied word embedding (the last stage's copy is
+tp-replicated params once per copy. vExpert copies of the same expert on several EP ranks
+(FlexMoE, EPLB) count once too (`_squared_norm`), and so does the tied word embedding (the last stage's copy is
 `pipeline_duplicate`). Each pipeline stage holds its own parameters: the stages' sums are added
 over ``pp`` (`reduce_squared_norms`).
 """
@@ -50,14 +50,14 @@ REPLICA_GROUP = {"dense": "dp", "expert": "edp"}
 
 
 def _squared_norm(p: torch.nn.Parameter) -> torch.Tensor:
-    """Squared norm of this rank's gradient of `p`; of a vExpert slot stack (moe/vexperts.py) only
-    the slots that are their expert's first copy count (the others hold the same gradient)."""
+    """Squared norm of this rank's gradient of `p`; of a vExpert stack (moe/vexperts.py) only the
+    rows whose expert no lower EP rank holds count (the other holders have the same gradient)."""
     grad = grad_of(p)
     squared = grad.float().pow(2)
     slots = getattr(p, "vexpert_slots", None)
     if slots is None:
         return squared.sum()
-    return squared.flatten(1).sum(1)[slots.canonical_mask(slots.ep_rank).to(grad.device)].sum()
+    return squared.flatten(1).sum(1)[slots.canonical_rows(slots.ep_rank).to(grad.device)].sum()
 
 
 def counts_in_norm(p: torch.nn.Parameter) -> bool:

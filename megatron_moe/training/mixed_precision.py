@@ -10,7 +10,7 @@ fp32 tensors: the same arithmetic as the fp32 optimizer given the same gradients
 State per parameter `p` (keyed by the bf16 parameter, as a torch optimizer's): "step",
 "exp_avg", "exp_avg_sq" (fp32) and "master" (fp32), created at construction. Checkpoints save
 "master" as the model's weights (training/checkpoint.py), vExpert moves carry it with the
-moments (moe/vexperts.py `optimizer_tensors`). `load_state_dict` keeps the state fp32.
+moments (moe/vexpert_moves.py `state_entries`). `load_state_dict` keeps the state fp32.
 
 The distributed optimizer (training/distributed_optimizer.py) does the same on its shards: the
 fp32 master shard is what AdamW steps, next to the sharded moments.

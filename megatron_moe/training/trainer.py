@@ -42,7 +42,7 @@ from megatron_moe.training.grads import GradSync
 from megatron_moe.training.lr import LR_SCHEDULES
 from megatron_moe.moe.expert_bias import update_expert_biases
 from megatron_moe.moe.stats import IterationMoEStats
-from megatron_moe.moe.vexperts import MOVE_KIND
+from megatron_moe.moe.vexpert_moves import MOVE_KIND
 from megatron_moe.moe.schedules import A2A_KINDS
 from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite, request_requeue
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
@@ -181,7 +181,7 @@ class Trainer:
         """Per MoE layer (of every pipeline stage): vExpert primitives executed after this
         iteration's step; over the run and all layers: how many of each kind (FlexMoE's Expand /
         Shrink / Migrate)."""
-        layers = [(layer.layer_index, n, getattr(layer.balancer, "ops_total", {}), layer.experts.slot_table.slots.copy())
+        layers = [(layer.layer_index, n, getattr(layer.balancer, "ops_total", {}), layer.balancer.planned_slots.copy())
                   for layer, n in zip(moe_layers, moves)]
         if self.state.pp_size > 1:
             layers = sorted(row for rows in collectives.all_gather_object(layers, self.state.pp) for row in rows)
@@ -193,16 +193,19 @@ class Trainer:
         return {"vexpert_moves": [n for _, n, _, _ in layers], "vexpert_ops_total": totals}
 
     def memory_metrics(self) -> Record:
-        """Memory, MB, {"rank<r>": MB} over the world: the optimizer state this rank holds
-        (`optimizer_state_mb`: AdamW's moments, sharded with `optimizer.distributed`), peak resident
-        set size so far (`max_rss_mb`) and, on CUDA, the allocator's peak (`cuda_peak_mb`)."""
-        peaks = [optimizer_state_bytes(self.optimizer) / 2 ** 20,
+        """Memory, MB, {"rank<r>": MB} over the world: the parameters this rank holds (`param_mb`;
+        vExperts: one copy per expert a rank holds, however many of its vExperts), the optimizer
+        state (`optimizer_state_mb`: AdamW's moments, and fp32 masters in bf16 runs, sharded with
+        `optimizer.distributed`), peak resident set size so far (`max_rss_mb`) and, on CUDA, the
+        allocator's peak (`cuda_peak_mb`)."""
+        peaks = [sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2 ** 20,
+                 optimizer_state_bytes(self.optimizer) / 2 ** 20,
                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux: KB
         if self.device.type == "cuda":
             peaks.append(torch.cuda.max_memory_allocated(self.device) / 2 ** 20)
         gathered = collectives.all_gather(torch.tensor([peaks], dtype=torch.float64, device=self.device),
-                                          self.state.world, kind="stats").cpu()  # [world, 2 or 3]
-        keys = ("optimizer_state_mb", "max_rss_mb", "cuda_peak_mb")[: gathered.shape[1]]
+                                          self.state.world, kind="stats").cpu()  # [world, 3 or 4]
+        keys = ("param_mb", "optimizer_state_mb", "max_rss_mb", "cuda_peak_mb")[: gathered.shape[1]]
         return {key: {f"rank{r}": round(v, 1) for r, v in enumerate(gathered[:, j].tolist())}
                 for j, key in enumerate(keys)}
 
@@ -353,6 +356,8 @@ class Trainer:
             metrics.close()
             if trace is not None:
                 trace.close()
+        for layer in self.model.moe_layers():  # best-effort vExpert moves of the last step land
+            layer.balancer.complete_moves()
         if writer and not stopped:
             write_complete_marker(tr.run_dir, tr.train_iters)
         return records

@@ -85,18 +85,30 @@ def test_benchmark_balancer_rows_fix_skew_exactly():
     """--skew gives the balancer imbalance to fix (issue #9 item 6): the fastermoe row computes the
     same output with a lower balance ratio, and its weight traffic is replicas x expert parameters;
     the eplb row (issue #11) re-plans its vExpert slots after the first repetition and then does
-    the same with persistent replicas."""
+    the same with persistent replicas. Memory per rank (issue #30): the owners' 4 experts, EPLB's
+    5 distinct ones (one copy each), FasterMoE's replica weights of one forward on top; AdamW's
+    state twice the parameters. The flexmoe:best_effort row computes the same output."""
     stdout = torchrun(2, "benchmarks/moe_layer.py", "--expert", "2", "--rows", "baseline", "--balancer",
-                      "none,fastermoe,eplb", "--skew", "1.2", "--min-shadow", "1", "--reps", "2", "--warmup", "0",
-                      "--batch", "2", "--seq", "16", "--hidden", "32", "--ffn", "64")
+                      "none,fastermoe,eplb,flexmoe:best_effort", "--skew", "1.2", "--min-shadow", "1", "--reps", "2",
+                      "--warmup", "0", "--batch", "2", "--seq", "16", "--hidden", "32", "--ffn", "64")
     rows = json.loads(stdout.strip().splitlines()[-1])["results"]
     none, shadow, eplb = rows["baseline"], rows["baseline+fastermoe"], rows["baseline+eplb"]
+    expert_params = 32 * 64 + 64 * 32 + 64 + 32  # w1, w2, b1, b2 of one expert (gelu, biases)
+    router = 8 * 32 * 4  # [E, h] fp32
+    for row, experts in ((none, 4), (shadow, 4), (eplb, 5)):  # EPLB: (8 + 2 redundant) / 2 slots, all distinct
+        memory = row["memory_per_rank"]
+        assert memory["param_bytes"] == [experts * expert_params * 4 + router] * 2, memory
+        assert memory["adam_state_bytes"] == [2 * b for b in memory["param_bytes"]]
+    assert sum(shadow["memory_per_rank"]["replica_param_bytes"]) == shadow["bytes_all_ranks"]["agg/ep"] > 0
+    assert none["memory_per_rank"]["replica_param_bytes"] == [0, 0] == eplb["memory_per_rank"]["replica_param_bytes"]
+    flex = rows["baseline+flexmoe:best_effort"]
+    assert flex["max_abs_diff_vs_baseline"] < 1e-5
+    assert flex["vexpert_move_ms"]["exposed"] <= flex["vexpert_move_ms"]["total"] + 1e-9
     assert eplb["balance_ratio"] < none["balance_ratio"] and eplb["replicas"] >= 1 and eplb["vexpert_moves"] > 0
     assert eplb["vexpert_move_bytes_all_ranks"] > 0 and eplb["max_abs_diff_vs_baseline"] < 1e-5
     assert none["balance_ratio"] > 1.5 and none["replicas"] == 0 and none["trans_bytes"] == 0  # skewed
     assert shadow["balance_ratio"] < none["balance_ratio"] and shadow["replicas"] >= 1
     assert shadow["max_abs_diff_vs_baseline"] < 1e-5
-    expert_params = 32 * 64 + 64 * 32 + 64 + 32  # w1, w2, b1, b2 of one expert (gelu, biases)
     assert shadow["bytes_all_ranks"]["trans/ep"] == shadow["replicas"] * expert_params * 4
     assert shadow["bytes_all_ranks"]["agg/ep"] == shadow["replicas"] * expert_params * 4
 

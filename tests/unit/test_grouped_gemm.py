@@ -55,36 +55,29 @@ def test_loop_backward_skips_unneeded_gradients():
 
 
 @pytest.mark.parametrize("path", ["padded", "native", "per-group"])
-@pytest.mark.parametrize("index", [None, [3, 0, 2]])
-def test_grouped_mm_into_grad_accumulates_scaled_weight_gradients(path, index, monkeypatch):
-    """dW goes into the leaf's `.grad` (rows `index`), times the scale, and adds up over calls as
-    autograd's accumulation would; dX is autograd's. Each CPU dW kernel is forced in turn."""
+def test_grouped_mm_into_grad_accumulates_scaled_weight_gradients(path, monkeypatch):
+    """dW goes into the leaf's `.grad`, times the scale, and adds up over calls as autograd's
+    accumulation would; dX is autograd's. Each CPU dW kernel is forced in turn."""
     monkeypatch.setattr(grouped_gemm, "_PAD_MAX_ROWS_PER_GROUP", 100 if path == "padded" else 0)
     monkeypatch.setattr(grouped_gemm, "_PAD_MAX_BLOWUP", 100)
     monkeypatch.setattr(grouped_gemm, "_NATIVE_TEMP_MAX_ELEMENTS", 1 << 30 if path == "native" else 0)
     gen = torch.Generator().manual_seed(2)
     leaf = torch.nn.Parameter(torch.randn(4, 8, 2, 3, generator=gen, dtype=torch.float64))  # [stack, k, (2,) n]
-    rows = None if index is None else torch.tensor(index)
-    counts = [4, 0, 2] if index else [3, 0, 5, 1]
-    stack = leaf.detach() if rows is None else leaf.detach().index_select(0, rows)
+    counts = [3, 0, 5, 1]
     want_grad = torch.zeros_like(leaf)
     for step in range(2):  # the second call accumulates onto the first's gradient
         x = torch.randn(sum(counts), 8, generator=gen, dtype=torch.float64, requires_grad=True)
         dy = torch.randn(sum(counts), 6, generator=gen, dtype=torch.float64)
-        y = grouped_mm_into_grad(x, leaf, rows, 0.5, counts)
+        y = grouped_mm_into_grad(x, leaf, 0.5, counts)
         (y * dy).sum().backward()
-        x_ref, w_ref = x.detach().clone().requires_grad_(True), stack.clone().requires_grad_(True)
+        x_ref, w_ref = x.detach().clone().requires_grad_(True), leaf.detach().clone().requires_grad_(True)
         ref = _reference(x_ref, w_ref.reshape(len(counts), 8, 6), counts)
         (ref * dy).sum().backward()
         torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
-        if rows is None:
-            want_grad += 0.5 * w_ref.grad
-        else:
-            want_grad.index_add_(0, rows, 0.5 * w_ref.grad)
+        want_grad += 0.5 * w_ref.grad
         torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-12, atol=1e-12)
-    if rows is not None:
-        assert float(leaf.grad[1].abs().sum()) == 0.0  # a stack row that computed nothing
+    assert float(leaf.grad[1].abs().sum()) == 0.0  # a stack row that computed nothing
 
 
 def test_grouped_mm_into_grad_under_autocast_keeps_an_fp32_gradient():
@@ -92,7 +85,7 @@ def test_grouped_mm_into_grad_under_autocast_keeps_an_fp32_gradient():
     leaf = torch.nn.Parameter(torch.randn(6, 8, 4, generator=gen))
     x = torch.randn(16, 8, generator=gen, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = grouped_mm_into_grad(x, leaf, None, 1.0, COUNTS)
+        y = grouped_mm_into_grad(x, leaf, 1.0, COUNTS)
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     w_ref = leaf.detach().clone().requires_grad_(True)

@@ -44,29 +44,25 @@ def test_deferred_linear_matches_autograd_and_defers_until_backward_ends():
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("index", [None, [2, 0]])
-def test_deferred_grouped_mm_matches_autograd_with_rows_and_scale(index):
+def test_deferred_grouped_mm_matches_autograd_with_scale():
     gen = torch.Generator().manual_seed(1)
-    leaf = torch.nn.Parameter(torch.randn(3, 4, 2, 3, generator=gen))  # [slots, h, (2,) f] like SwiGLU's w1
-    counts = [3, 0] if index else [2, 0, 3]
+    leaf = torch.nn.Parameter(torch.randn(3, 4, 2, 3, generator=gen))  # [experts, h, (2,) f] like SwiGLU's w1
+    counts = [2, 0, 3]
     x = torch.randn(sum(counts), 4, generator=gen, requires_grad=True)
     upstream = torch.randn(sum(counts), 6, generator=gen)
-    rows = torch.tensor(index) if index else None
     scheduler, seen = WGradScheduler(NO_A2A), []
-    y = grouped_mm_into_grad(x, leaf, rows, 0.5, counts, scheduler)
+    y = grouped_mm_into_grad(x, leaf, 0.5, counts, scheduler)
     z = y * upstream
     z.register_hook(lambda g: seen.append(leaf.grad))  # during backward, before the dW ran
     z.sum().backward()
     assert seen == [None] and not scheduler.pending  # deferred, then run when backward ended
     x_ref, leaf_ref = x.detach().clone().requires_grad_(True), leaf.detach().clone().requires_grad_(True)
-    stack = leaf_ref if rows is None else leaf_ref.index_select(0, rows)
-    y_ref = grouped_mm(x_ref, stack.reshape(len(counts), 4, 6), counts)
+    y_ref = grouped_mm(x_ref, leaf_ref.reshape(len(counts), 4, 6), counts)
     (y_ref * upstream).sum().backward()
     torch.testing.assert_close(y.detach(), y_ref.detach())
     torch.testing.assert_close(x.grad, x_ref.grad)  # the scale is the weights' (redundancy correction)
     torch.testing.assert_close(leaf.grad, 0.5 * leaf_ref.grad)
-    if rows is not None:
-        assert float(leaf.grad[1].abs().sum()) == 0.0  # a slot that computed nothing
+    assert float(leaf.grad[1].abs().sum()) == 0.0  # an expert that computed nothing
 
 
 def test_fill_is_algorithm_1_greedy():
@@ -162,7 +158,7 @@ def test_deferred_wgrad_in_bf16_goes_into_the_fp32_main_grad():
     x = torch.randn(7, 5, generator=gen).bfloat16()
     up = torch.randn(7, 3, generator=gen).bfloat16()
     scheduler = WGradScheduler(NO_A2A)
-    y = grouped_mm_into_grad(deferred_linear(x, weight, None, scheduler), leaf, None, 0.5, [4, 3], scheduler)
+    y = grouped_mm_into_grad(deferred_linear(x, weight, None, scheduler), leaf, 0.5, [4, 3], scheduler)
     (y.float() * up.float()).sum().backward()
     assert weight.grad is None and leaf.grad is None and not scheduler.pending
     w32, l32 = weight.detach().float().requires_grad_(True), leaf.detach().float().requires_grad_(True)

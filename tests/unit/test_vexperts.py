@@ -12,8 +12,12 @@ from megatron_moe.techniques.flexmoe.flexmoe import flexmoe_slots_per_rank
 from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.load_plots import figure_rgb, placement_figure
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.vexperts import (SlotTable, Transfer, expert_rows, fill_duplicates, integer_routing,
-                                       plan_transfers)
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.model.precision import cast_params_
+from megatron_moe.moe.experts import Experts
+from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
+from megatron_moe.moe.vexpert_moves import Transfer, plan_transfers, reshape_storage
+from megatron_moe.moe.vexperts import SlotTable, expert_rows, integer_routing
 from tests.dense_reference import dense_flexible_routing, dense_integer_routing
 from tests.unit.test_flexmoe_plan import _random_slots
 
@@ -31,7 +35,6 @@ def test_initial_layout():
     assert table.slots.tolist() == [[0, 1, 2, 3, -1], [4, 5, 6, 7, -1]]
     assert table.shape == (2, 5) and table.ep_rank == 1
     assert table.resident(0) == [0, 1, 2, 3] and table.resident(1) == [4, 5, 6, 7]
-    assert table.compute_slots(1) == [0, 1, 2, 3]
     assert table.copies().tolist() == [1] * 8 and table.extra_vexperts == 0
     # no free slot: V = E / ep
     assert SlotTable.initial(6, 3, 2, 0).slots.tolist() == [[0, 1], [2, 3], [4, 5]]
@@ -51,11 +54,11 @@ def test_checked_rejects(slots, needle):
     SlotTable(np.array([[0, 1], [2, -1]]), num_experts=3, ep_rank=0)  # the valid neighbour passes
 
 
-def test_resident_compute_slots_copies_with_duplicates_and_free_slots():
+def test_resident_holders_copies_with_duplicates_and_free_slots():
     table = SlotTable(np.array([[5, -1, 3, 5], [0, 1, 2, 4]]), num_experts=6, ep_rank=0)
-    assert table.resident(0) == [3, 5] and table.compute_slots(0) == [2, 0]
-    assert table.resident(1) == [0, 1, 2, 4] and table.compute_slots(1) == [0, 1, 2, 3]
-    assert table.copies().tolist() == [1, 1, 1, 1, 1, 2]
+    assert table.resident(0) == [3, 5] and table.resident(1) == [0, 1, 2, 4]
+    assert table.holders().astype(int).tolist() == [[0, 0, 0, 1, 0, 1], [1, 1, 1, 0, 1, 0]]
+    assert table.copies().tolist() == [1, 1, 1, 1, 1, 2]  # vExperts: 5 twice (on one rank)
     assert table.extra_vexperts == 1  # 7 filled slots, 6 experts
 
 
@@ -63,32 +66,22 @@ def test_resident_compute_slots_copies_with_duplicates_and_free_slots():
 THREE_RANKS = np.array([[5, -1, 3, 5], [0, 3, 2, 4], [1, 5, -1, 0]])
 
 
-def test_canonical_mask_first_copy_in_rank_slot_order():
+def test_canonical_rows_first_holder_in_rank_order():
     tables = [SlotTable(THREE_RANKS, 6, q) for q in range(3)]
-    masks = [t.canonical_mask(q) for q, t in enumerate(tables)]
-    assert all(m.dtype == torch.bool for m in masks)
-    # (0,0)=5 first, (0,2)=3 first, (0,3)=5 dup; (1,0)=0, (1,2)=2, (1,3)=4 first, (1,1)=3 dup;
-    # (2,0)=1 first, (2,1)=5 and (2,3)=0 dups; free slots never
-    assert [m.tolist() for m in masks] == [[True, False, True, False], [True, False, True, True],
-                                           [True, False, False, False]]
-    # brute-force: first occurrence while scanning (rank, slot)
-    seen, expected = set(), np.zeros(THREE_RANKS.shape, dtype=bool)
-    for q in range(3):
-        for k in range(4):
-            e = int(THREE_RANKS[q, k])
-            if e >= 0 and e not in seen:
-                seen.add(e)
-                expected[q, k] = True
-    assert np.array_equal(np.stack([m.numpy() for m in masks]), expected)
-    # a per-slot quantity (say a squared norm (e + 1)^2) summed over masked slots counts each expert once
-    per_slot = torch.from_numpy(np.where(THREE_RANKS >= 0, (THREE_RANKS + 1.0) ** 2, 0.0))
-    assert sum(float(per_slot[q][masks[q]].sum()) for q in range(3)) == 91.0  # 1 + 4 + ... + 36
-    assert float(per_slot.sum()) != 91.0  # without the mask the duplicates count again
+    rows = [t.canonical_rows(q) for q, t in enumerate(tables)]
+    assert all(m.dtype == torch.bool for m in rows)
+    # rank 0 rows [3, 5]: both first; rank 1 rows [0, 2, 3, 4]: 3 is rank 0's; rank 2 rows [0, 1, 5]:
+    # 0 is rank 1's, 5 rank 0's
+    assert [m.tolist() for m in rows] == [[True, True], [True, True, False, True], [False, True, False]]
+    # a per-row quantity (say a squared norm (e + 1)^2) summed over the masked rows counts each expert once
+    per_row = [torch.tensor([(e + 1.0) ** 2 for e in t.resident(q)]) for q, t in enumerate(tables)]
+    assert sum(float(v[m].sum()) for v, m in zip(per_row, rows)) == 91.0  # 1 + 4 + ... + 36
+    assert sum(float(v.sum()) for v in per_row) != 91.0  # without the mask the copies count again
     assert tables[0].copies().tolist() == [2, 1, 1, 2, 1, 3]
     assert tables[0].extra_vexperts == 4  # 10 filled slots - 6 experts
 
 
-def test_canonical_mask_random_counts_each_expert_once():
+def test_canonical_rows_random_counts_each_expert_once():
     rng = np.random.default_rng(7)
     for _ in range(20):
         num_ranks, per_rank, num_experts = _random_shape(rng)
@@ -96,73 +89,105 @@ def test_canonical_mask_random_counts_each_expert_once():
         table = SlotTable(slots, num_experts, 0)
         hits = np.zeros(num_experts, dtype=np.int64)
         for q in range(num_ranks):
-            mask = table.canonical_mask(q).numpy()
-            assert (slots[q][mask] >= 0).all()
-            np.add.at(hits, slots[q][mask], 1)
+            mask = table.canonical_rows(q).numpy()
+            assert mask.shape == (len(set(slots[q][slots[q] >= 0].tolist())),)
+            np.add.at(hits, np.array(table.resident(q), dtype=np.int64)[mask], 1)
         assert hits.tolist() == [1] * num_experts
         assert table.copies().tolist() == [int((slots == e).sum()) for e in range(num_experts)]
 
 
-# -- expert_rows, fill_duplicates -------------------------------------------------------------------
-def test_expert_rows():
-    assert expert_rows(SlotTable(THREE_RANKS, 6, 0)) == [(2, 3), (0, 5)]
-    assert expert_rows(SlotTable(THREE_RANKS, 6, 1)) == [(0, 0), (2, 2), (1, 3), (3, 4)]
-    assert expert_rows(SlotTable(THREE_RANKS, 6, 2)) == [(3, 0), (0, 1), (1, 5)]
+def test_expert_rows_one_per_expert_held():
+    assert expert_rows(SlotTable(THREE_RANKS, 6, 0)) == [(0, 3), (1, 5)]  # 5's two vExperts: one row
+    assert expert_rows(SlotTable(THREE_RANKS, 6, 1)) == [(0, 0), (1, 2), (2, 3), (3, 4)]
+    assert expert_rows(SlotTable(THREE_RANKS, 6, 2)) == [(0, 0), (1, 1), (2, 5)]
 
 
-def test_fill_duplicates_copies_first_slot_only_into_duplicates():
-    table = SlotTable(np.array([[2, 0, 2, 2, -1], [1, -1, -1, -1, -1]]), num_experts=3, ep_rank=0)
-    a = torch.arange(10.0).view(5, 2)
-    b = 100 + torch.arange(15.0).view(5, 3)
-    before_a, before_b = a.clone(), b.clone()
-    fill_duplicates(table, [a, b])
-    assert a.tolist() == [[0, 1], [2, 3], [0, 1], [0, 1], [8, 9]]  # slots 2, 3 <- slot 0; 1 and 4 untouched
-    for t, old in ((a, before_a), (b, before_b)):
-        for k in (2, 3):
-            assert torch.equal(t[k], old[0])
-        for k in (0, 1, 4):
-            assert torch.equal(t[k], old[k])
-    # a rank without duplicates is left alone
-    other = SlotTable(np.array([[2, 0, 2, 2, -1], [1, -1, -1, -1, -1]]), num_experts=3, ep_rank=1)
-    c = torch.arange(10.0).view(5, 2)
-    fill_duplicates(other, [c])
-    assert torch.equal(c, torch.arange(10.0).view(5, 2))
+# -- storage: one copy per expert and rank ---------------------------------------------------------------
+def test_k_vexperts_of_one_expert_on_a_rank_store_one_copy():
+    """FlexMoE §3.1: a rank holding k vExperts of an expert stores one row of each parameter (one
+    row of each AdamW moment, one gradient); free slots store nothing. Expert bytes per rank =
+    distinct experts held x one expert's bytes, whatever the slot count."""
+    cfg = load_config(TINY, ["moe.balancer=eplb", "moe.eplb.redundant_slots=4"])  # 12 slots on one rank
+    state = ParallelState.build(RankLayout(world_size=1), 0)
+    experts = Experts(cfg, state, slots_per_rank=12)
+    one = sum(p[0].numel() * p.element_size() for p in experts.stacks())  # one expert's weights
+    assert [p.shape[0] for p in experts.stacks()] == [8] * len(experts.stacks())  # 8 experts, 4 free slots
+    slots = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 7, 7, 7, -1]])  # expert 7 has 4 vExperts, one slot free
+    reshape_storage(experts, slots)
+    assert experts.slot_table.copies()[7] == 4 and [p.shape[0] for p in experts.stacks()] == [8] * 4
+    assert sum(p.numel() * p.element_size() for p in experts.stacks()) == 8 * one
+    optimizer = torch.optim.AdamW(experts.parameters(), lr=0.1)
+    for p in experts.stacks():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    moments = [optimizer.state[p][key] for p in experts.stacks() for key in ("exp_avg", "exp_avg_sq")]
+    assert sum(t.numel() * t.element_size() for t in moments) == 2 * 8 * one
+    reshape_storage(experts, np.array([[0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1, -1]]), optimizer)  # Shrinks: tags
+    assert [p.shape[0] for p in experts.stacks()] == [8] * 4 and experts.slot_table.copies()[7] == 1
+    reshape_storage(experts, np.array([[0, 1, 2, 3, 4, 5, 6, 7, 7, -1, -1, 0]]), optimizer)  # Expands: shared
+    assert [p.shape[0] for p in experts.stacks()] == [8] * 4
+    assert [optimizer.state[p]["exp_avg"].shape[0] for p in experts.stacks()] == [8] * 4
+
+
+def test_storage_rows_follow_the_experts_held_with_bf16_masters_and_main_grads():
+    """Rows of experts a rank keeps keep their values (weights, fp32 masters); rows it gains start
+    at zero (a checkpoint load fills them); a bf16 main gradient is a buffer of its own,
+    re-allocated with the stack and zeroed with the others."""
+    cfg = load_config(TINY, ["moe.balancer=eplb", "moe.eplb.redundant_slots=0"])
+    state = ParallelState.build(RankLayout(world_size=1), 0)
+    experts = cast_params_(Experts(cfg, state, slots_per_rank=8), "bf16")
+    for p in experts.stacks():
+        p.data.copy_(torch.arange(1.0, 9.0).view(8, *[1] * (p.dim() - 1)).expand_as(p))  # expert e's row holds e + 1
+    optimizer = MixedPrecisionAdamW([{"params": list(experts.parameters()), "weight_decay": 0.0}],
+                                    lr=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert all(p.main_grad.shape == p.shape for p in experts.stacks()) and not optimizer.main_grads.buffers
+    table = experts.slot_table  # as rank 0 of two EP ranks: rank 1 holds 4-7 from now on
+    table.slots = table.checked(np.array([list(range(8)), [4, 5, 6, 7] + [-1] * 4]))
+    reshape_storage(experts, np.array([[0, 1, 2, 3, 3, 3, -1, -1], [4, 5, 6, 7] + [-1] * 4]), optimizer)
+    assert [p.shape[0] for p in experts.stacks()] == [4] * 4  # 4 distinct experts (3 of them twice)
+    for p in experts.stacks():
+        assert p.float().flatten(1)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+        assert optimizer.state[p]["master"].flatten(1)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+        assert p.main_grad.shape == p.shape and optimizer.state[p]["exp_avg"].shape == p.shape
+    reshape_storage(experts, np.array([[0, 1, 2, 3, 6, 6, -1, -1], [4, 5, 6, 7] + [-1] * 4]), optimizer)
+    for p in experts.stacks():  # expert 6 joins: rows [0, 1, 2, 3, 6], the new one zero until loaded
+        assert p.float().flatten(1)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 0.0]
+    experts.w1.main_grad.fill_(1.0)
+    optimizer.zero_grad()
+    assert float(experts.w1.main_grad.abs().sum()) == 0.0
 
 
 # -- plan_transfers ---------------------------------------------------------------------------------
-def test_plan_transfers_local_from_first_slot_of_same_rank():
+def test_plan_transfers_nothing_for_experts_a_rank_keeps():
     old = np.array([[0, 2, 0, -1], [1, 2, 3, -1]])
-    new = np.array([[0, 2, 0, 0], [1, 2, 3, -1]])
-    # rank 0 holds 0 in slots 0 and 2: the first one is the source
-    assert plan_transfers(old, new) == [Transfer(expert=0, src_rank=0, src_slot=0, dst_rank=0, dst_slot=3)]
-    # rank 1 holds 2 (slot 1) and so does rank 0: stay local anyway
-    new = np.array([[0, 2, 0, -1], [1, 2, 2, -1]])
-    assert plan_transfers(old, new) == [Transfer(2, 1, 1, 1, 2)]
+    # rank 0 gets a third vExpert of 0, rank 1 a second of 2: shared rows, nothing moves
+    assert plan_transfers(old, np.array([[0, 2, 0, 0], [1, 2, 3, 2]])) == []
+    # slots shuffled within the ranks: nothing moves either
+    assert plan_transfers(old, np.array([[-1, 0, 2, 0], [3, -1, 1, 2]])) == []
 
 
 def test_plan_transfers_spreads_sources_then_lowest_rank():
-    # expert 0 on ranks 0 and 1; ranks 2 and 3 receive it: first from rank 0 (tie), then rank 1
+    # expert 0 on ranks 0 and 1; ranks 2 and 3 gain it: first from rank 0 (tie), then rank 1
     old = np.array([[0, 1], [0, 2], [3, -1], [1, -1]])
     new = np.array([[0, 1], [0, 2], [3, 0], [1, 0]])
-    assert plan_transfers(old, new) == [Transfer(0, 0, 0, 2, 1), Transfer(0, 1, 0, 3, 1)]
-    # the load counts across experts: 1 comes from rank 0 (tie), then 0 from rank 1 (fewer sent),
-    # from rank 1's first slot of 0 (slot 1)
+    assert plan_transfers(old, new) == [Transfer(0, 0, 2), Transfer(0, 1, 3)]
+    # the load counts across experts: rank 2 gains 0 and 1 (ascending): 0 from rank 0 (tie),
+    # then 1 from rank 1 (fewer sent)
     old = np.array([[0, 1, -1], [1, 0, 0], [2, -1, -1]])
     new = np.array([[0, 1, -1], [1, 0, 0], [2, 1, 0]])
-    assert plan_transfers(old, new) == [Transfer(1, 0, 1, 2, 1), Transfer(0, 1, 1, 2, 2)]
-    # a local transfer sends nothing: rank 0 is still the least loaded holder afterwards
-    old = np.array([[0, 1, -1], [0, 1, -1], [2, -1, -1]])
-    new = np.array([[0, 1, 0], [0, 1, -1], [2, 0, -1]])
-    assert plan_transfers(old, new) == [Transfer(0, 0, 0, 0, 2), Transfer(0, 0, 0, 2, 1)]
+    assert plan_transfers(old, new) == [Transfer(0, 0, 2), Transfer(1, 1, 2)]
+    # gaining two vExperts of one expert is one transfer
+    old = np.array([[0, 1, -1], [2, -1, -1]])
+    assert plan_transfers(old, np.array([[0, 1, -1], [2, 0, 0]])) == [Transfer(0, 0, 1)]
 
 
 def test_plan_transfers_nothing_for_freed_or_unchanged_cells():
     old = np.array([[0, 1, 1], [2, 3, -1]])
     assert plan_transfers(old, old.copy()) == []
     assert plan_transfers(old, np.array([[0, 1, -1], [2, 3, -1]])) == []  # Shrink
-    # Shrinks (0,1) and (1,1) move nothing; (0,2) gets 3 from rank 1, (1,2) gets 1 from rank 0
+    # a Migrate: rank 0 gains 3 from rank 1, rank 1 gains 1 from rank 0
     got = plan_transfers(old, np.array([[0, -1, 3], [2, -1, 1]]))
-    assert got == [Transfer(3, 1, 1, 0, 2), Transfer(1, 0, 1, 1, 2)]
+    assert got == [Transfer(3, 1, 0), Transfer(1, 0, 1)]
 
 
 def test_plan_transfers_random_reaches_new_table():
@@ -178,19 +203,11 @@ def test_plan_transfers_random_reaches_new_table():
             if not np.isin(np.arange(num_experts), new).all():  # would leave an expert without a copy
                 new = old.copy()
         transfers = plan_transfers(old, new)
-        content = old.copy()
-        targets = []
+        held = [set(old[q][old[q] >= 0].tolist()) for q in range(num_ranks)]
         for t in transfers:
-            assert old[t.src_rank, t.src_slot] == t.expert  # the source held it before the round
-            assert t.src_slot == int(np.flatnonzero(old[t.src_rank] == t.expert)[0])
-            if (old[t.dst_rank] == t.expert).any():
-                assert t.src_rank == t.dst_rank
-            content[t.dst_rank, t.dst_slot] = old[t.src_rank, t.src_slot]
-            targets.append((t.dst_rank, t.dst_slot))
-        filled = new >= 0
-        assert np.array_equal(content[filled], new[filled])
-        # exactly the cells that change to a held expert, once each
-        assert sorted(targets) == sorted(zip(*[a.tolist() for a in np.nonzero((new != old) & filled)]))
+            assert t.expert in held[t.src_rank] and t.src_rank != t.dst_rank  # from an old holder
+        gained = sorted((q, e) for q in range(num_ranks) for e in set(new[q][new[q] >= 0].tolist()) - held[q])
+        assert sorted((t.dst_rank, t.expert) for t in transfers) == gained  # exactly what each rank gains, once
 
 
 # -- integer_routing -----------------------------------------------------------------------------------
@@ -393,6 +410,7 @@ def test_slots_per_rank_defaults():
     (["moe.balancer=flexmoe", "moe.flexmoe.slots_per_rank=3"], "moe.flexmoe.slots_per_rank=3"),
     (["moe.balancer=flexmoe", "moe.flexmoe.threshold=0.9"], "moe.flexmoe.threshold=0.9"),
     (["moe.balancer=flexmoe", "moe.flexmoe.interval=0"], "moe.flexmoe.interval=0"),
+    (["moe.balancer=flexmoe", "moe.flexmoe.moves=async"], "moe.flexmoe.moves=async must be one of sync, best_effort"),
     (["moe.balancer=eplb", "moe.eplb.redundant_slots=1"], "moe.eplb.redundant_slots=1"),  # 9 % 2
     (["moe.balancer=eplb", "moe.eplb.redundant_slots=10"], "moe.eplb.redundant_slots=10"),  # 9 slots > 8
     (["moe.balancer=eplb", "moe.eplb.redundant_slots=-2"], "moe.eplb.redundant_slots=-2"),
@@ -408,11 +426,12 @@ def test_vexpert_config_errors(overrides, needle):
 def test_vexpert_config_valid_and_unused_sections_ignored():
     profile = "perf.hardware_profile=configs/hardware/cpu_gloo_2proc.yaml"
     for ov in (["moe.balancer=flexmoe", "moe.flexmoe.slots_per_rank=4", "moe.flexmoe.threshold=1.0", profile],
+               ["moe.balancer=flexmoe", "moe.flexmoe.moves=best_effort", profile],
                ["moe.balancer=eplb", "moe.eplb.redundant_slots=2"],
                ["moe.balancer=eplb", "moe.eplb.redundant_slots=0", "moe.eplb.ema=1.0"],
                # the same bad values with no vExpert balancer: nobody reads them
                ["moe.balancer=none", "moe.eplb.redundant_slots=1", "moe.eplb.ema=0",
-                "moe.flexmoe.slots_per_rank=1", "moe.flexmoe.threshold=0.5"]):
+                "moe.flexmoe.slots_per_rank=1", "moe.flexmoe.threshold=0.5", "moe.flexmoe.moves=async"]):
         validate_config(load_config(TINY, ["parallel.expert=2"] + ov), 2)
 
 

@@ -70,6 +70,11 @@ class Balancer(ABC):
         primitives executed."""
         return 0
 
+    def complete_moves(self) -> None:
+        """Finish state moves still in flight (vExperts' best-effort moves, `moe/vexpert_moves.py`):
+        called by the layer's forward before it plans, before a checkpoint is saved and when
+        training ends. Local (each rank waits for its own transfers)."""
+
     def state_dict(self) -> dict:
         """JSON-able state a checkpoint keeps (a vExpert placement and what its planner learned)."""
         return {}

@@ -1,7 +1,7 @@
 """FlexMoE's vExpert scheduler (Nie et al., SIGMOD'23, §3; `moe.balancer: flexmoe`).
 
-Every EP rank has `moe.flexmoe.slots_per_rank` vExpert slots (default E/ep + 1), each a whole
-expert with its own weights and AdamW state (`moe/vexperts.py`). Per layer, on the mean rows per
+Every EP rank has `moe.flexmoe.slots_per_rank` vExpert slots (default E/ep + 1); the vExperts of
+one expert on one rank share one copy of its weights and AdamW state (§3.1, `moe/vexperts.py`). Per layer, on the mean rows per
 iteration of the window (every rank decides alike):
 
     trigger  threshold (default): after every step, Alg. 1 line 3's check of the window's balance
@@ -11,7 +11,9 @@ iteration of the window (every rank decides alike):
                         slowest GPU, with a general Migrate) or Alg. 2 as printed
                         (`flexmoe_plan.make_scheduling_plan`, moe.flexmoe.policy=printed)
              Migrate while Eq. 5 plus transfer cost gains                 line 9
-    execute the ops as one round of transfers (`vexperts.relocate`, §3.5's merged moves)
+    execute the ops as one round of transfers (`vexpert_moves.MovesInFlight`, §4's merged moves):
+             moe.flexmoe.moves=sync lands them after the step; best_effort (§4, "Best-Effort
+             Adjustment") leaves them in flight until the layer's next forward
 
 The cost model (Eq. 5, 7-9, `flexmoe_plan.FlexCostModel`) comes from the hardware profile: a
 token's forward + backward through one expert shard (3 F x `expert_compute.beta`, TPS of
@@ -31,9 +33,10 @@ from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.techniques.flexmoe.flexmoe_plan import (Expand, FlexCostModel, Migrate, Shrink, apply_ops,
                                                           balance_ratio, make_scheduling_plan, schedule)
 from megatron_moe.techniques.flexmoe.flexmoe_policy import amortize_steps, check_flexmoe_config, straggler_plan
-from megatron_moe.techniques.flexmoe.vexpert_base import SlotBalancer, check_options
+from megatron_moe.techniques.flexmoe.vexpert_base import MOVES, SlotBalancer, check_options
 from megatron_moe.perf.hardware import BALANCER_OPS, PROFILE_NEEDS, configured_profile, expert_shape
 from megatron_moe.config.validate import section_check
+from megatron_moe.distributed.parallel_state import SIDE_CHANNELS
 
 _KIND = {Expand: "expand", Shrink: "shrink", Migrate: "migrate"}
 
@@ -50,7 +53,7 @@ class FlexMoE(SlotBalancer):
 
     def __init__(self, cfg, state):
         fm = cfg.moe.flexmoe
-        super().__init__(cfg, state, flexmoe_slots_per_rank(cfg, state.ep_size), fm.interval)
+        super().__init__(cfg, state, flexmoe_slots_per_rank(cfg, state.ep_size), fm.interval, fm.moves)
         self.threshold, self.trigger = fm.threshold, fm.trigger
         self.policy = straggler_plan if fm.policy == "straggler" else make_scheduling_plan
         profile = configured_profile(cfg, BALANCER_OPS, "moe.balancer=flexmoe")
@@ -87,7 +90,15 @@ def _check_flexmoe(cfg, world_size: int) -> None:
                     fm.slots_per_rank is None or fm.slots_per_rank >= per_rank,
                     f">= moe.num_experts / parallel.expert = {per_rank} (or null)"),
                    ("flexmoe.interval", fm.interval, fm.interval >= 1, ">= 1"),
-                   ("flexmoe.threshold", fm.threshold, fm.threshold >= 1.0, ">= 1.0 (a balance ratio)")])
+                   ("flexmoe.threshold", fm.threshold, fm.threshold >= 1.0, ">= 1.0 (a balance ratio)"),
+                   ("flexmoe.moves", fm.moves, fm.moves in MOVES, f"one of {', '.join(MOVES)}")])
+
+
+@SIDE_CHANNELS.register("flexmoe")
+def _side_channels(cfg) -> list:
+    """Best-effort moves stay in flight while the next forward's collectives run on ``ep``: they
+    travel on a side channel of it (FlexMoE §4: "a separate CUDA stream")."""
+    return ["ep"] if cfg.moe.balancer == "flexmoe" and cfg.moe.flexmoe.moves == "best_effort" else []
 
 
 @PROFILE_NEEDS.register("flexmoe")

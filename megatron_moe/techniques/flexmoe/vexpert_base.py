@@ -7,10 +7,13 @@ Per layer, every iteration:
   expert stay on its own rank up to that rank's share of the expert, the rest go to the other
   holders by free capacity. The result is a `Placement.on_slots`, so every schedule executes it.
 * `observe`: adds the forward's rows per (source EP rank, expert) to the decision window.
-* `before_grad_sync`: the slots of each expert sum their gradients (`sync_replica_grads`).
+* `before_grad_sync`: the ranks holding each expert sum their gradients (`sync_replica_grads`).
 * `after_optimizer_step`: every `interval` iterations the window is averaged over the ``edp``
   groups (one all-reduce, so every rank decides the same) and over its iterations, the subclass
-  proposes new slots (`propose`), and `relocate` moves weights and AdamW moments there.
+  proposes new slots (`propose`), and `vexpert_moves.MovesInFlight` moves weights and AdamW
+  moments there: completed at once (`moves = "sync"`), or left in flight until the layer's next
+  forward (`"best_effort"`, FlexMoE §4; `complete_moves`, called by `MoELayer.forward`, a
+  checkpoint save and the end of training).
 """
 from __future__ import annotations
 
@@ -24,18 +27,21 @@ from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
 from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.vexperts import integer_routing, optimizer_tensors, relocate, sync_replica_grads
+from megatron_moe.moe.vexpert_moves import MovesInFlight, reshape_storage
+from megatron_moe.moe.vexperts import integer_routing, sync_replica_grads
 from megatron_moe.config.errors import ConfigError
 
 OP_KINDS = ("expand", "shrink", "migrate")
+MOVES = ("sync", "best_effort")  # when a round of moves completes (`moe.flexmoe.moves`)
 
 
 class SlotBalancer(Balancer):
     """Base of balancers whose replicas are persistent vExpert slots."""
 
-    def __init__(self, cfg, state, slots_per_rank: int, interval: int):
+    def __init__(self, cfg, state, slots_per_rank: int, interval: int, moves: str = "sync"):
         super().__init__(cfg, state)
-        self.state, self.slots_per_rank, self.interval = state, slots_per_rank, interval
+        self.state, self.slots_per_rank, self.interval, self.moves = state, slots_per_rank, interval, moves
+        self.in_flight: Optional[MovesInFlight] = None  # best-effort: the round the next forward completes
         self.window = np.zeros((self.ep_size, self.num_experts))  # rows per (source EP rank, expert)
         self.window_iterations = 0
         self.ops_total: Dict[str, int] = {kind: 0 for kind in OP_KINDS}
@@ -61,6 +67,7 @@ class SlotBalancer(Balancer):
         sync_replica_grads(self.experts.stacks(), self.table, self.state.ep)
 
     def after_optimizer_step(self, iteration: int, optimizer) -> int:
+        self.complete_moves()  # a round still in flight (a forward-less caller) lands before the next
         self.window_iterations += 1
         self.last_moves = 0
         if not self.wants_decision(iteration):
@@ -69,9 +76,22 @@ class SlotBalancer(Balancer):
         if self.state.edp_size > 1:  # every ep_esp group saw its own tokens: decide on their mean
             window = C.all_reduce(window.clone(), self.state.edp, kind="vexpert_plan") / self.state.edp_size
         new_slots = self.decide(window.numpy())
-        if new_slots is not None:
-            relocate(self.table, new_slots, optimizer_tensors(self.experts.stacks(), optimizer), self.state.ep)
+        if new_slots is not None:  # the state as of this step goes out now; it lands now or before the next forward
+            self.in_flight = MovesInFlight(self.experts, new_slots, optimizer, self.state.ep)
+            if self.moves == "sync":
+                self.complete_moves()
         return self.last_moves
+
+    def complete_moves(self) -> None:
+        """Install the round of moves in flight, if any (waits for this rank's transfers)."""
+        if self.in_flight is not None:
+            moves, self.in_flight = self.in_flight, None
+            moves.complete()
+
+    @property
+    def planned_slots(self) -> np.ndarray:
+        """The slot table once the moves in flight have landed (the current one if none are)."""
+        return self.in_flight.new if self.in_flight is not None else self.table.slots
 
     def wants_decision(self, iteration: int) -> bool:
         """Whether this iteration all-reduces the window and calls `decide` (every `interval`)."""
@@ -107,11 +127,15 @@ class SlotBalancer(Balancer):
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        assert self.in_flight is None, "complete_moves() before saving: the storage must match the slots"
         return {"slots": self.table.slots.tolist(), "window": self.window.tolist(),
                 "window_iterations": self.window_iterations, "ops_total": dict(self.ops_total)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.table.slots = self.table.checked(state["slots"])
+        """The saved slots, with the parameter stacks re-shaped to them (a checkpoint load fills
+        the rows next; `vexpert_moves.fit_optimizer_rows` re-shapes the optimizer's state)."""
+        self.complete_moves()
+        reshape_storage(self.experts, state["slots"])
         self.window = np.array(state["window"], dtype=np.float64).reshape(self.window.shape)
         self.window_iterations = int(state["window_iterations"])
         self.ops_total = {kind: int(state["ops_total"].get(kind, 0)) for kind in OP_KINDS}
