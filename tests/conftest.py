@@ -1,6 +1,27 @@
-"""Shared pytest fixtures and the `gpu` marker's skip (`make test-gpu`)."""
+"""Shared pytest fixtures, the `gpu` marker's skip (`make test-gpu`) and the suite's order."""
+from pathlib import Path
+
 import pytest
 import torch
+
+# `make test` runs test files on 2 xdist workers (--dist loadfile), handed out in collection order:
+# the long files first, the many short unit files last to fill the gaps, so neither worker ends
+# alone on a long file (a stable sort: the order inside a file is kept)
+FIRST = ("e2e/test_doc_examples.py", "e2e/test_sweep_slurm.py", "e2e/test_two_node.py", "e2e/test_sweep.py",
+         "distributed/test_pipeline.py")
+DIRECTORY_ORDER = ("e2e", "distributed", "unit")
+
+
+def _rank(item) -> tuple:
+    path = Path(str(item.fspath))
+    relative = f"{path.parent.name}/{path.name}"
+    first = FIRST.index(relative) if relative in FIRST else len(FIRST)
+    directory = DIRECTORY_ORDER.index(path.parent.name) if path.parent.name in DIRECTORY_ORDER else 0
+    return first, directory
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_rank)
 
 
 @pytest.hookimpl(tryfirst=True)
