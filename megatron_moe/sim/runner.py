@@ -115,7 +115,7 @@ class IterationResult:
     breakdown: Dict[str, List[float]]
     layers: List[LayerResult]
     bytes_by_kind: Dict[str, float]  # summed over ranks
-    vexpert_moves: int = 0  # primitives decided after the step (FlexMoE's Expand / Shrink / Migrate; EPLB's changed slots)
+    vexpert_moves: int = 0  # primitives decided after the step (Expand / Shrink / Migrate; EPLB: changed slots)
     vexpert_transfers: int = 0  # rank-to-rank expert transfers they take (`vexpert_moves.plan_transfers`), per ep group
     pipeline_bubble: float = 0.0  # the trainer's metric: per stage 1 - compute / the slowest stage's program
     pipeline_bubble_ideal: float = 0.0  # (p - 1) / (v m + p - 1)
