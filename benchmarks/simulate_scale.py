@@ -7,8 +7,10 @@ A GPT-MoE (hidden 1024, 4 layers with 2 MoE layers, 256 experts, top-2, sequence
 sequence per GPU) on 1024 GPUs of the FlexMoE A100 testbed profile (128 nodes of 8): expert 64,
 so 16 ep_esp groups (each plans its own placement), drifting Zipf(1.0) routing. Per balancer: the
 wall time of the simulation (trace generation included, start-up excluded), seconds per
-iteration, the predicted iteration time, the mean balance ratio and the bytes vExpert moves sent,
-and the machine's load average around the run (other jobs share the cores); `flexmoe_vs_eplb`
+iteration, the predicted iteration time, the mean balance ratio, the bytes vExpert moves sent, their
+primitives (FlexMoE's Expand / Shrink / Migrate; EPLB: one per changed slot, each a rank-to-rank
+move) and rank-to-rank transfers (per ep group; a Shrink takes none, a Migrate one or two), and
+the machine's load average around the run (other jobs share the cores); `flexmoe_vs_eplb`
 compares the two vExpert balancers (issue 30: FlexMoE within 10% of EPLB's mean balance ratio
 with at most a third of its bytes). The balancers' planners are the training code; their cost at this size
 is theirs. One thread: the planners' tensors are small, more threads only contend for 2 cores.
@@ -50,6 +52,7 @@ def measure(balancer: str, gpus: int, iterations: int, profile) -> dict:
             "balance_ratio": [round(b, 3) for b in s["balance_ratio"]], "replicas": s["replicas"],
             "mean_balance_ratio": round(float(np.mean([layer.balance_ratio for r in results for layer in r.layers])), 4),
             "vexpert_move_bytes": float(sum(r.bytes_by_kind.get("vexpert_move", 0.0) for r in results)),
+            "vexpert_primitives": s["vexpert_moves"], "vexpert_transfers": s["vexpert_transfers"],
             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
@@ -71,6 +74,7 @@ def main(argv=None) -> int:
     target = {b: r["wall_s"] < TARGET_S for b, r in results.items()} if args.iterations == 100 else None
     print(json.dumps({"config": vars(args), "model": MODEL, "results": results, "target_30s_met": target,
                       "flexmoe_vs_eplb": flexmoe_vs_eplb(results)}))
+    return 0
 
 
 def flexmoe_vs_eplb(results: dict):
@@ -83,9 +87,10 @@ def flexmoe_vs_eplb(results: dict):
     moved = f["vexpert_move_bytes"] / e["vexpert_move_bytes"] if e["vexpert_move_bytes"] else None
     return {"mean_balance_ratio": [f["mean_balance_ratio"], e["mean_balance_ratio"]], "ratio": round(ratio, 4),
             "vexpert_move_bytes": [f["vexpert_move_bytes"], e["vexpert_move_bytes"]],
+            "vexpert_primitives": [f["vexpert_primitives"], e["vexpert_primitives"]],
+            "vexpert_transfers": [f["vexpert_transfers"], e["vexpert_transfers"]],
             "bytes_fraction": None if moved is None else round(moved, 4),
             "within_10_percent": ratio <= 1.1, "at_most_a_third_of_bytes": moved is not None and moved <= 1 / 3}
-    return 0
 
 
 if __name__ == "__main__":

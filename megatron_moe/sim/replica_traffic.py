@@ -86,9 +86,10 @@ def vexpert_grad_op(b: OpBuilder, slots: np.ndarray, num_experts: int, params: i
     return [b.collective("vexpert_grad", "vexpert_grad", "ep", shared * params, 4, "all_reduce")]
 
 
-def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int, element_bytes: int) -> List[Op]:
+def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int, element_bytes: int,
+                    handle: str = "") -> List[Op]:
     """The moves from `old` to `new` slots [ep, V]: `width` elements of `element_bytes` per transfer
-    (each between ranks)."""
+    (each between ranks); with `handle`, issued asynchronously on that side channel (best-effort)."""
     ep = b.world.layout.expert
     P = np.zeros((ep, ep))
     for t in plan_transfers(old, new):
@@ -97,4 +98,4 @@ def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int, 
         return []
     groups = b.members("ep").shape[0]
     return [b.exchange("vexpert_move", "vexpert_move", "ep", np.broadcast_to(P, (groups, ep, ep)), element_bytes,
-                       counts_own=False, cost_kind="p2p")]
+                       counts_own=False, cost_kind="p2p", mode="issue" if handle else "sync", handle=handle)]

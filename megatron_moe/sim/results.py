@@ -4,6 +4,8 @@
     {"iteration_ms": {"mean", "p50", "min", "max"},
      "moe_layer_ms": [mean per MoE layer], "balance_ratio": [...], "balance_degree": [...],
      "replicas": [...], "schedules": [{executed schedule: count}], "plan_ms": [...],
+     "vexpert_moves": primitives over the run (EPLB: one per changed slot), "vexpert_transfers":
+     the rank-to-rank expert transfers they took (a Shrink none, a Migrate one or two),
      "breakdown_ms": {op: {"exposed", "hidden"}}       # mean per iteration, over labels
      "compute_ms", "communication_exposed_ms", "communication_hidden_ms", "overlap_ms",
      "pipeline_idle_ms", "pipeline_bubble", "pipeline_bubble_ideal",   # 0 with one pipeline stage
@@ -88,7 +90,8 @@ def summarize(results) -> Dict:
         "replicas": [_mean([r.layers[i].replicas for r in results]) for i in range(layers)],
         "plan_ms": [_mean([r.layers[i].plan_seconds * 1e3 for r in results]) for i in range(layers)],
         "schedules": schedules,
-        "vexpert_moves": int(sum(r.vexpert_moves for r in results)),
+        "vexpert_moves": int(sum(r.vexpert_moves for r in results)),  # primitives
+        "vexpert_transfers": int(sum(r.vexpert_transfers for r in results)),  # rank-to-rank moves, per ep group
         "breakdown_ms": {name: {"exposed": e / n * 1e3, "hidden": h / n * 1e3} for name, (e, h) in sorted(ops.items())},
         "compute_ms": compute / n * 1e3,
         "communication_exposed_ms": comm_exposed / n * 1e3,

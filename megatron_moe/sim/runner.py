@@ -17,7 +17,10 @@ stage, each micro-batch's forward and backward on one timeline; with several, ea
 forward and backward of each micro-batch on its own, ordered by the training code's pipeline
 programs (`sim/stages.py`). After the micro-batches: the vExperts' gradient sum, the gradient
 sync, grad norm and loss sums (`sim/params.py`), and every `interval` iterations the vExperts'
-`decide` on the window averaged over the groups, with the moves `vexpert_moves.MovesInFlight` would make.
+`decide` on the window averaged over the groups, with the moves `vexpert_moves.MovesInFlight` would make:
+at the end of the iteration (`moe.flexmoe.moves: sync`), or, best-effort, issued one layer's round
+after the other on a side channel at the start of the next iteration and waited for right before
+each layer's first forward (exposed: what the work before that forward does not hide).
 
 The decisions come from the training code (`Balancer.plan` / `observe` / `SlotBalancer.decide`,
 `techniques/parm/parm_model.py`'s Alg. 1), fed a flat profile derived from the cluster for this layout
@@ -39,6 +42,7 @@ from megatron_moe.config.validate import expert_ffn_hidden_size, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.pipeline_stages import StageChunks
 from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.moe.vexpert_moves import plan_transfers
 from megatron_moe.moe.vexperts import SlotTable
 from megatron_moe.perf import timing
 from megatron_moe.perf.hardware import ExpertShape, HardwareProfile, save_profile
@@ -111,7 +115,8 @@ class IterationResult:
     breakdown: Dict[str, List[float]]
     layers: List[LayerResult]
     bytes_by_kind: Dict[str, float]  # summed over ranks
-    vexpert_moves: int = 0
+    vexpert_moves: int = 0  # primitives decided after the step (Expand / Shrink / Migrate; EPLB: changed slots)
+    vexpert_transfers: int = 0  # rank-to-rank expert transfers they take (`vexpert_moves.plan_transfers`), per ep group
     pipeline_bubble: float = 0.0  # the trainer's metric: per stage 1 - compute / the slowest stage's program
     pipeline_bubble_ideal: float = 0.0  # (p - 1) / (v m + p - 1)
 
@@ -139,6 +144,7 @@ class ChunkOps:
     embedding: Tuple[List[Op], List[Op]] = ([], [])
     head: Tuple[List[Op], List[Op]] = ([], [])
     registered: List[Tuple[str, str, List[Op]]] = field(default_factory=list)
+    moves: List[Tuple[str, List[Op]]] = field(default_factory=list)  # best-effort rounds landing here (label, ops)
 
     def ops(self) -> List[Op]:
         """Every op once (Lancet's partitioned forward only retimes the sublayers)."""
@@ -196,6 +202,8 @@ class Simulation:
                     balancer.attach(SimpleNamespace(slot_table=table))
                 layer[1:] = [layer[0]] * (groups - 1)
         self.traffic: Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]] = ({}, {})
+        self.in_flight: Dict[int, List[Op]] = {}  # best-effort moves: MoE layer -> its round, issued next iteration
+        self.landing: Dict[int, List[Op]] = {}  # the rounds this iteration's first forward of each layer waits for
 
     @property
     def vexperts(self) -> bool:
@@ -273,7 +281,11 @@ class Simulation:
             planned, ops, trans, agg, prefetched, plan_s = self.plan_layer(i, counts[i])
             gate = dense.gate()
             label = f"moe{i}"
-            out.sublayers.append((label, gate[0] + ops.forward, True))
+            landing = []  # `MoELayer.forward` -> `complete_moves`: the round lands before the layer plans
+            if i in self.landing:
+                out.moves.append((label, self.landing.pop(i)))
+                landing = [stage.b.wait("vexpert_move", f"vexpert_move{i}")]
+            out.sublayers.append((label, landing + gate[0] + ops.forward, True))
             out.backward.append((label, ops.backward + gate[1]))
             out.registered += [(f"before_experts{i - 1}" if prefetched else f"trans_issue{i}", label, trans),
                                (f"agg{i}", label, agg)]
@@ -286,6 +298,7 @@ class Simulation:
     def forward(self, timeline: Timeline, s: int, ops: ChunkOps) -> None:
         for handle, label, issued in ops.registered:
             timeline.register(handle, label, issued)
+        timeline.issue_in_order(ops.moves)  # best-effort vExpert moves, in flight from the step before
         timeline.run(ops.embedding[0], "embedding")
         lancet = self.cfg.moe.lancet
         if lancet.partitions > 1:
@@ -368,17 +381,19 @@ class Simulation:
             {"rows": np.zeros((lay.expert_data_parallel, lay.expert)), "replicas": 0.0, "forwards": 0,
              "schedules": {}, "plan_s": 0.0} for _ in range(L)]}
         breakdowns = [{} for _ in self.stages]
+        self.landing, self.in_flight = self.in_flight, {}
         finish, busy, bubble = self._micro_batches(micro, acc, breakdowns)
         # the end of the iteration, each stage from when its program ends
         items = [[op for i in range(L) if self.stage_of[i] == s for op in self._vexpert_grad(i)] +
                  end_ops(stage.b, stage.params, first_half=True) for s, stage in enumerate(self.stages)]
-        step_ops, moves = self.after_step(iteration)
+        step_ops, moves, transfers = self.after_step(iteration)
         items = [items[s] + end_ops(stage.b, stage.params, first_half=False) + step_ops[s]
                  for s, stage in enumerate(self.stages)]
         timelines = [Timeline(stage.world, start=finish[s]) for s, stage in enumerate(self.stages)]
         self.pipeline.run_stages(timelines, items, "iteration")
         for s in range(len(self.stages)):
-            self._count(acc, s, items[s])
+            self._count(acc, s, items[s] + [op for i, ops in self.in_flight.items() if self.stage_of[i] == s
+                                            for op in ops])  # best-effort moves: counted when issued
         critical = int(np.argmax([t.clock.max() for t in timelines]))
         breakdown = {key: list(value) for key, value in breakdowns[critical].items()}
         if len(self.stages) > 1:
@@ -398,7 +413,7 @@ class Simulation:
             by_kind[key.split("/")[0]] = by_kind.get(key.split("/")[0], 0.0) + float(value.sum())
         self.traffic = (acc["traffic"], acc["inter"])
         par = self.cfg.parallel
-        return IterationResult(iteration, seconds, breakdown, layers, by_kind, moves, bubble,
+        return IterationResult(iteration, seconds, breakdown, layers, by_kind, moves, transfers, bubble,
                                expected_bubble(par.pipeline, self.micro_batches, par.virtual_stages))
 
     def _collect(self, timeline: Timeline, breakdown: dict) -> float:
@@ -410,12 +425,15 @@ class Simulation:
             entry[1] += duration
         return float(timeline.clock[rank])
 
-    def after_step(self, iteration: int, optimizer_state: bool = True) -> Tuple[List[List[Op]], int]:
+    def after_step(self, iteration: int, optimizer_state: bool = True) -> Tuple[List[List[Op]], int, int]:
         """`SlotBalancer.after_optimizer_step` of every layer without the collectives: when the
         balancer wants a decision (`wants_decision`), decide on the window (summed over the groups' forwards, / edp =
         their mean, the all-reduce "vexpert_plan/edp") and move (weights, and with
-        `optimizer_state` both AdamW moments) -> (ops per pipeline stage, primitives executed)."""
-        ops, moves = [[] for _ in self.stages], 0
+        `optimizer_state` both AdamW moments) -> (ops per pipeline stage, primitives executed,
+        rank-to-rank transfers they take in one ep group).
+        Best-effort moves (`SlotBalancer.moves`) go to `in_flight` instead, as issue ops on side
+        channel `vexpert_move<i>`: the next iteration's first forward issues and waits for them."""
+        ops, moves, transfers = [[] for _ in self.stages], 0, 0
         lay = self.layout
         bf16 = self.cfg.training.precision == "bf16"  # relocate: one buffer in the widest dtype it carries
         width = ((4 if bf16 else 3) if optimizer_state else 1) * self.params_per_expert
@@ -432,11 +450,17 @@ class Simulation:
                                                       lay.expert * self.cfg.moe.num_experts, 8, "all_reduce"))
             old = balancer.table.slots.copy()
             new = balancer.decide(balancer.window / lay.expert_data_parallel)
-            if new is not None:
-                ops[self.stage_of[i]] += vexpert_move_op(b, old, new, width, element_bytes)
+            transfers += 0 if new is None else len(plan_transfers(old, new))
+            if new is not None:  # best-effort: the layer's next forward plans after its round landed, too
+                best_effort = balancer.moves == "best_effort"
+                move = vexpert_move_op(b, old, new, width, element_bytes, f"vexpert_move{i}" if best_effort else "")
+                if best_effort:
+                    self.in_flight[i] = move
+                else:
+                    ops[self.stage_of[i]] += move
                 balancer.table.slots = balancer.table.checked(new)
             moves += balancer.last_moves
-        return ops, moves
+        return ops, moves, transfers
 
     def trace(self, spec: str, iterations: int, seed: int = 0):
         """The routing to replay: a `logging.routing_trace` directory, or a synthetic spec

@@ -10,6 +10,11 @@ Each rank has one clock (its host / compute stream) and side channels for asynch
     wait      the clock waits until side channel `handle` is done
     mark      issues what is registered for its handle (`Timeline.register`)
 
+`issue_in_order` issues transfers that queue behind each other on one side channel (FlexMoE's
+best-effort moves, `moe.flexmoe.moves`: each layer's round after the one before, each waited for
+by its layer's first forward of the next iteration, so a round's exposed time is
+max(0, when it ends - the work before that forward)).
+
 What a rank's clock advances through an op is that op's *exposed* time (for a collective,
 including the wait for the slowest member); its own duration minus what it exposed is *hidden*.
 Every key is communication (1), computation (0) or overlap (2: both at once, Lancet's category).
@@ -92,6 +97,19 @@ class Timeline:
         self.duration[(label, op.name)] += seconds
         self.exposed[(label, op.name)] += 0.0
         self.comm[(label, op.name)] = 1.0
+
+    def issue_in_order(self, items: List[Tuple[str, List[Op]]]) -> None:
+        """Issue now the asynchronous transfers of `items` [(label, ops)], which share one queue
+        (one side channel's stream): each op starts when its group is ready and the op before it
+        has ended, on its own `handle` so that each is waited for on its own (best-effort vExpert
+        moves: one layer's round after the other, each waited before that layer's forward)."""
+        end = None
+        for label, ops in items:
+            for op in ops:
+                if end is not None:
+                    self.side[op.handle] = np.maximum(self.side.get(op.handle, end), end)
+                self._issue(op, label)
+                end = self.side[op.handle]
 
     def _wait(self, op: Op, label: str, backward: bool) -> None:
         if op.handle in self.side:

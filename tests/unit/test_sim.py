@@ -295,13 +295,102 @@ def test_reproduce_papers_writes_the_document(tmp_path):
     """tools/reproduce_papers.py (--quick: a few configurations): the paper's figure, ours, the
     ratio and the trend checks per experiment, and the numbers as JSON."""
     out = tmp_path / "reproduce.md"
-    proc = subprocess.run([sys.executable, "tools/reproduce_papers.py", "--quick", "--only", "parm,lancet",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "tools/reproduce_papers.py", "--quick", "--only",
+                           "parm,lancet,flexmoe,proprophet", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = out.read_text()
     for needle in ("## Parm Table IV", "| S1 | 2 | 2 | A8 | 2.10x |", "## Lancet Fig. 13", "up to 83%",
-                   "Trends (the paper's claim", "What differs and why", "## Summary"):
+                   "Trends (the paper's claim", "What differs and why", "## Summary", "## FlexMoE Fig. 5",
+                   "FlexMoE's moves ms: exposed / total", "## Pro-Prophet Tables IV-V", "MoE layers' share"):
         assert needle in doc, needle
     numbers = json.loads(proc.stdout.strip().splitlines()[-1])
     assert numbers["parm"]["S1 mp4 esp4 A8"] > numbers["parm"]["S1 mp2 esp2 A8"] > 1  # S1 beats the baseline
     assert all(v["cut_a2a"] > 0 for v in numbers["lancet"].values())
+    # FlexMoE as its paper runs it: best-effort moves land in the next iteration, partly hidden
+    for v in numbers["flexmoe"].values():
+        exposed, hidden = v["vexpert_move_ms"]
+        assert v["vexpert_transfers"] > 0 and exposed > 0 and hidden > 0
+        assert v["balance_ratio"]["flexmoe"] < v["balance_ratio"]["fastermoe"] + 0.5 and v["replicas"] > 0
+    for v in numbers["proprophet"].values():  # the balancers balance, DeepSpeed-MoE does not
+        ratios = v["balance_ratio"]
+        assert ratios["Pro-Prophet"] < ratios["FasterMoE"] <= ratios["DeepSpeed-MoE"] and 0 < v["moe_share"] < 1
+
+
+def test_best_effort_moves_expose_what_the_forward_before_their_layer_leaves(cluster_profile, tmp_path):
+    """`moe.flexmoe.moves: best_effort` in the simulator: a layer's round, issued at the start of the
+    next iteration behind the rounds of the layers before it on one side channel, exposes
+    max(0, when it ends - the work before its layer's forward). 2 ranks, 2 MoE layers, no
+    decisions (threshold 1000): the rounds are injected with known durations."""
+    overrides = ["model.num_layers=2", "model.hidden_size=8", "model.num_attention_heads=2", "model.seq_length=8",
+                 "model.vocab_size=64", "moe.num_experts=2", "moe.top_k=1", "moe.expert_ffn_hidden_size=16",
+                 "moe.layer_freq=1", "parallel.expert=2", "training.micro_batch_size=1",
+                 "training.global_batch_size=2", "moe.balancer=flexmoe", "moe.flexmoe.moves=best_effort",
+                 "moe.flexmoe.threshold=1000"]
+    sim = Simulation(load_config(None, overrides), load_profile(cluster_profile), 2, str(tmp_path))
+    counts = np.array([[[3, 5], [6, 2]]] * 2)  # [layers, dp, E]
+    plain = sim.iteration(1, counts).seconds
+    stage = sim.stages[0]
+    before = Timeline(stage.world)  # the work before layer 0's forward: embedding, layer 0's attention
+    before.run(stage.dense.embedding()[0] + stage.dense.attention()[0], "x")
+    w0 = float(before.clock.max())
+    assert np.allclose(before.clock, w0) and 0 < w0 < plain
+
+    def round_of(i, seconds):
+        return [Op("vexpert_move", "issue", lambda k: np.full(2, seconds), "ep", handle=f"vexpert_move{i}")]
+
+    def run(t0, t1):
+        sim.in_flight = {i: round_of(i, t) for i, t in enumerate((t0, t1)) if t is not None}
+        r = sim.iteration(2, counts)
+        return r.seconds, [r.breakdown.get(f"moe{i}/vexpert_move", [0.0, 0.0])[:2] for i in range(2)]
+
+    exact = lambda x: pytest.approx(x, rel=1e-9, abs=1e-15)  # the times differ by ~w0 (1e-8 s) in ~1e-2 s
+    seconds, parts = run(0.5 * w0, None)  # hidden behind the embedding and the attention
+    assert seconds == exact(plain) and parts[0] == exact([0.0, 0.5 * w0])
+    for t0 in (2.0 * w0, 5.0 * plain):  # longer than that work: the rest is exposed, once
+        seconds, parts = run(t0, None)
+        assert parts[0] == exact([t0 - w0, t0]) and seconds == exact(plain + t0 - w0)
+    # layer 1's round queues behind layer 0's: it ends at t0 + t1; layer 1's forward starts after
+    # layer 0's wait (t0) and the work between (layer 0's MoE forward, layer 1's attention: ~3 ms here)
+    seconds, parts = run(2.0 * w0, 1e-9)
+    assert parts[1] == exact([0.0, 1e-9])  # hidden behind that work
+    for t1 in (2.0 * plain, 4.0 * plain):
+        seconds_1, parts = run(2.0 * w0, t1)
+        between = t1 - parts[1][0]  # the work between the two waits, which hid part of t1
+        assert parts[0] == exact([w0, 2.0 * w0]) and parts[1][1] == exact(t1)
+        assert 0.1 * plain < between < 0.5 * plain and seconds_1 == exact(seconds + t1 - between)
+    t = Timeline(stage.world)  # and independently: the arithmetic on a bare timeline
+    t.issue_in_order([("a", round_of(0, 0.4)), ("b", round_of(1, 0.3))])
+    t.run([stage.b.compute("work", np.full(2, 0.5e12)), stage.b.wait("vexpert_move", "vexpert_move0")], "a")
+    t.run([stage.b.compute("work", np.full(2, 0.1e12)), stage.b.wait("vexpert_move", "vexpert_move1")], "b")
+    assert t.clock.tolist() == pytest.approx([0.7, 0.7])  # 0.4 + 0.3 queued, 0.6 of work before the second wait
+    assert t.breakdown(0)[("a", "vexpert_move")] == pytest.approx((0.0, 0.4))
+    assert t.breakdown(0)[("b", "vexpert_move")] == pytest.approx((0.1, 0.3))
+
+
+def test_best_effort_moves_change_when_the_moves_cost_not_what_they_do(cluster_profile, tmp_path):
+    """The same FlexMoE decisions with sync and best-effort moves (drifting routing, 4 ranks): the
+    same balance, primitives, transfers and bytes per iteration; a sync round is exposed at the end
+    of its iteration, a best-effort one lands in the next and exposes at most its duration."""
+    overrides = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2", "model.seq_length=64",
+                 "model.vocab_size=64", "moe.num_experts=8", "moe.top_k=2", "moe.layer_freq=1",
+                 "parallel.expert=4", "training.micro_batch_size=4", "training.global_batch_size=16",
+                 "moe.balancer=flexmoe", "moe.flexmoe.threshold=1.0", "moe.flexmoe.amortize_steps=1000"]
+    runs = {}
+    for moves in ("sync", "best_effort"):
+        sim = Simulation(load_config(None, overrides + [f"moe.flexmoe.moves={moves}"]), load_profile(cluster_profile),
+                         4, str(tmp_path / moves))
+        runs[moves] = sim.run(sim.trace("drift:1.5:0.3", 8, seed=1).steps(), limit=8)
+    sync, best = runs["sync"], runs["best_effort"]
+    assert sum(r.vexpert_transfers for r in sync) > 2  # it moved, more than once
+    for a, b in zip(sync, best):
+        assert [layer.balance_ratio for layer in a.layers] == [layer.balance_ratio for layer in b.layers]
+        assert (a.vexpert_moves, a.vexpert_transfers) == (b.vexpert_moves, b.vexpert_transfers)
+        assert a.bytes_by_kind.get("vexpert_move", 0) == b.bytes_by_kind.get("vexpert_move", 0)
+        assert ("iteration/vexpert_move" in a.breakdown) == (a.vexpert_transfers > 0)
+        assert not any(key.startswith("moe") and key.endswith("/vexpert_move") for key in a.breakdown)
+        assert "iteration/vexpert_move" not in b.breakdown
+    for before, b in zip(best, best[1:]):  # a round decided after iteration t lands in t + 1
+        landed = [v for key, v in b.breakdown.items() if key.endswith("/vexpert_move")]
+        assert bool(landed) == (before.vexpert_transfers > 0)
+        assert all(0 <= exposed <= duration + 1e-15 for exposed, duration, _ in landed)
