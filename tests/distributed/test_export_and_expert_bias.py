@@ -14,9 +14,11 @@ One spawn of 4 gloo processes trains, on the synthetic tokens, for 3 iterations 
   1e-4 (fp32); the tensor-2 x expert-2 checkpoint, loaded by a 1-process Trainer and saved again,
   exports the same tensors bit for bit.
 * the DeepSeek-style routing config (sigmoid scores, group-limited top-k, shared expert, no aux
-  loss) with `moe.expert_bias` at expert 2 (data parallel 4), tensor 2 x expert 2 and pipeline 2 x
-  expert 2: every rank's expert biases after 3 updates equal the 1-process run's (rel 1e-5), as do
-  the losses; without the loads' all-reduce over data parallel the biases differ.
+  loss) with `moe.expert_bias` at expert 2 (data parallel 4), tensor 2 x expert 2, pipeline 2 x
+  expert 2, and expert 4 on 2 nodes of 2 ranks with EPLB's hierarchical plan re-packing the 4 router
+  groups onto the nodes after every step: every rank's expert biases after 3 updates equal the
+  1-process run's (rel 1e-5), as do the losses; EPLB moved experts, and every group's experts
+  (replicas included) sit on one node.
 """
 import json
 
@@ -64,7 +66,11 @@ EXPORTS = {  # name: (family, config, extra overrides, layout)
     "olmoe-pp2ep2-flexmoe": ("olmoe", OLMOE, FLEXMOE, PP2_EP2),
 }
 BIAS = ["model.num_layers=2", "moe.expert_bias_rate=0.01", "moe.num_experts=16"]
-BIAS_LAYOUTS = {"ep2": dict(expert=2), "tp2ep2": TP2_EP2, "pp2ep2": PP2_EP2}
+BIAS_LAYOUTS = {"ep2": dict(expert=2), "tp2ep2": TP2_EP2, "pp2ep2": PP2_EP2,
+                "ep4-eplb-nodes": dict(expert=4, ranks_per_node=2)}  # 2 nodes of 2 EP ranks
+# EPLB's hierarchical plan (moe.eplb.hierarchical auto: on under group-limited routing) packs the
+# router's 4 groups onto the 2 nodes, re-planned after every step
+BIAS_EXTRA = {"ep4-eplb-nodes": EPLB}
 
 
 def _config(tmp, name, path, overrides, layout):
@@ -81,7 +87,8 @@ def _export_config(tmp, name, layout=None):
 
 
 def _bias_config(tmp, name):
-    return _config(tmp, "bias-" + name, "configs/deepseek_routing_tiny.yaml", BIAS, BIAS_LAYOUTS.get(name, {}))
+    return _config(tmp, "bias-" + name, "configs/deepseek_routing_tiny.yaml", BIAS + BIAS_EXTRA.get(name, []),
+                   BIAS_LAYOUTS.get(name, {}))
 
 
 def _biases(trainer):
@@ -99,7 +106,11 @@ def _train_all(state, tmp):
     for name, layout in BIAS_LAYOUTS.items():
         sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout), state.rank)
         trainer = Trainer(_bias_config(tmp, name), sub, datasets=synthetic_datasets)
-        out["bias-" + name] = dict(losses=[r["loss"] for r in trainer.train()], biases=_biases(trainer))
+        records = trainer.train()
+        out["bias-" + name] = dict(losses=[r["loss"] for r in records], biases=_biases(trainer),
+                                   moves=[sum(r.get("vexpert_moves", [])) for r in records],
+                                   slots=[layer.balancer.table.slots.copy() for layer in trainer.model.moe_layers()
+                                          if getattr(layer.balancer, "table", None) is not None])
     return out
 
 
@@ -157,3 +168,11 @@ def test_expert_bias_is_exact_across_layouts(trained, tmp_path):
                 torch.testing.assert_close(bias, ref_biases[param], rtol=1e-5, atol=0, msg=f"{name} rank {rank} {param}")
                 held.add(param)
         assert held == set(ref_biases), name  # every layer's bias is checked (pipeline: on its stage)
+    eplb = ranks[0]["bias-ep4-eplb-nodes"]
+    assert all(m > 0 for m in eplb["moves"]) and len(eplb["slots"]) == 2, eplb["moves"]
+    for slots in eplb["slots"]:  # [4 EP ranks, 5 slots]: every expert of a router group on one node
+        node_of = {}
+        for q, row in enumerate(slots.tolist()):
+            for e in row:
+                assert node_of.setdefault(e // 4, q // 2) == q // 2, slots  # group of expert e: e // (16 / 4)
+        assert len(node_of) == 4
