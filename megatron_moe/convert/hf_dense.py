@@ -12,10 +12,10 @@ mapping of `hf_common.py`'s dense layers (`mlp.gate_proj | up_proj | down_proj`)
 sets `moe.norm_topk_prob: true`, so the top-k weights sum to one and the upcycled model computes
 the dense one's function whatever the router picks, for any `moe.top_k`.
 
-Not here: Qwen2 (its MoE family, Qwen2-MoE, always has a gated shared expert: only a zeroed one
-would keep the dense function, and we do not make one up); OLMo 2 / 3 (post-norm: RMSNorm on each sublayer's
-output; OLMoE is pre-norm) and OLMo 1 (LayerNorm without weights; OLMoE uses RMSNorm), so no
-OLMo dense model has OLMoE's shape.
+Not here: Qwen2 (its MoE family, Qwen2-MoE, always has a gated shared expert: only a zeroed
+one would keep the dense function, and we do not make one up); OLMo 2 / 3 (post-norm: RMSNorm
+on each sublayer's output; OLMoE is pre-norm) and OLMo 1 (LayerNorm without weights; OLMoE uses
+RMSNorm): no OLMo dense model has OLMoE's shape.
 """
 from __future__ import annotations
 

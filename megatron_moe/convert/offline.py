@@ -6,7 +6,8 @@
 * `consolidate`: every global tensor in one safetensors file (+ meta and config as text);
 * `upcycle`: sparse upcycling (Komatsuzaki et al. 2023, §3.1): every expert of every layer starts
   as that layer's dense FFN, the router as initialized from the seed; with top-k weights that sum
-  to one (top_k >= 2, renormalized) the MoE model computes exactly the dense model's function;
+  to one (`moe.norm_topk_prob`, or top_k >= 2 by default) the MoE model computes exactly the
+  dense model's function;
 * `export_hf` / `import_hf`: Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (`convert/hf_common.py`);
   export streams layer by layer into safetensors shards, import reads tensors lazily; import also
   takes dense Llama, Mistral and Qwen3 (`convert/hf_dense.py`), as they are or upcycled;
@@ -179,8 +180,9 @@ def upcycle(path: str, num_experts: int, out_root: str, top_k: Optional[int] = N
 def upcycle_overrides(dense: Config, num_experts: int, top_k: Optional[int] = None) -> List[str]:
     """What turns the dense model's config into the upcycled one's: `num_experts` experts of the
     dense FFN's width in every layer, `top_k` of them per token (None: `moe.top_k` as it is)."""
-    return [f"moe.num_experts={num_experts}", "moe.layer_freq=1", f"moe.expert_ffn_hidden_size={dense.model.ffn_hidden_size}"] \
-        + ([] if top_k is None else [f"moe.top_k={top_k}"])
+    out = [f"moe.num_experts={num_experts}", "moe.layer_freq=1",
+           f"moe.expert_ffn_hidden_size={dense.model.ffn_hidden_size}"]
+    return out + ([] if top_k is None else [f"moe.top_k={top_k}"])
 
 
 def upcycle_weights(dense: Dict[str, torch.Tensor], target: Config) -> Dict[str, torch.Tensor]:

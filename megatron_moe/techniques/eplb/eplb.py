@@ -11,8 +11,8 @@ from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `mo
             the replicas onto ranks by balanced greedy packing; hierarchical per
             `moe.eplb.hierarchical` (`eplb_ranks_per_node`; by default only when the gate is
             group-limited, as in DeepSeek's EPLB): the router's groups (`moe.router_groups`)
-            packed onto nodes first, so a token's chosen groups are whole nodes; without router
-            groups, single experts
+            packed onto nodes first, so a token's experts sit in at most `router_group_topk`
+            nodes; without router groups, single experts
 
 EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
 new experts keep the slots they already had, so only the cells that change move. The FlexMoE
