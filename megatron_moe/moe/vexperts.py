@@ -19,9 +19,10 @@ over its vExperts, so a rank holding k vExperts of e computes k shares of e's to
 * Compute: `Placement.on_slots` routes every expert's rows to its holders; a rank runs its
   stacks as they are (all rows, in order).
 * Gradients (`sync_replica_grads`, before the data-parallel all-reduce): the ranks holding an
-  expert sum their rows' gradients (an all-reduce over ``ep`` of the experts held on several
-  ranks, kind "vexpert_grad") and every holder takes the sum: the gradient of one copy that
-  computed all the expert's rows. Each copy then takes the same AdamW step, so the copies stay
+  expert sum their rows' gradients among themselves (point to point: each sends its row to the
+  expert's root holder, which sums them in rank order and sends the sum back; kind
+  "vexpert_grad"; FlexMoE Eq. 9 prices it so) and every holder takes the sum: the gradient of one
+  copy that computed all the expert's rows. Ranks that do not hold an expert take no part in it. Each copy then takes the same AdamW step, so the copies stay
   identical. The global grad norm counts every expert once (`canonical_rows`).
 * Moves: `moe/vexpert_moves.py` (after the optimizer step; synchronous, or best-effort: in flight
   until the layer's next forward).
@@ -31,7 +32,8 @@ over its vExperts, so a rank holding k vExperts of e computes k shares of e's to
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from megatron_moe.distributed.parallel_state import Group
 from megatron_moe.model.precision import grad_buffer
 
 GRAD_KIND = "vexpert_grad"
+GRAD_TAGS = (3, 4)  # point-to-point tags of the gradient sum's two rounds (vexpert_moves.MOVE_TAG is 2)
 
 
 def resident_rows(slots: np.ndarray, q: int) -> List[int]:
@@ -116,30 +119,87 @@ def expert_rows(table: SlotTable) -> List[Tuple[int, int]]:
 
 
 # -- gradients ------------------------------------------------------------------------------------
+def grad_sum_roots(slots: np.ndarray, num_experts: int) -> List[Tuple[int, int, List[int]]]:
+    """[(expert, root, holders ascending)] of every expert several EP ranks hold in `slots`
+    [ep, V], ascending by expert: the root that sums its gradient is holder ``e mod holders``
+    of its holders, so that the roots spread over the ranks (not every sum on the lowest rank)."""
+    held = holders(slots, num_experts)
+    out = []
+    for e in np.flatnonzero(held.sum(0) > 1).tolist():
+        ranks = np.flatnonzero(held[:, e]).tolist()
+        out.append((e, ranks[e % len(ranks)], ranks))
+    return out
+
+
+def grad_sum_traffic(slots: np.ndarray, num_experts: int, width: int) -> np.ndarray:
+    """Float[ep, ep]: elements EP rank i sends rank j in `sync_replica_grads` (both rounds), one
+    expert's gradient being `width` elements: every non-root holder sends the root its row, the
+    root sends each of them the sum."""
+    ep = slots.shape[0]
+    P = np.zeros((ep, ep))
+    for _, root, ranks in grad_sum_roots(slots, num_experts):
+        others = [q for q in ranks if q != root]
+        P[others, root] += width
+        P[root, others] += width
+    return P
+
+
 @torch.no_grad()
 def sync_replica_grads(params: Sequence[torch.nn.Parameter], table: SlotTable, group: Group) -> None:
     """Every rank holding an expert that several ranks hold gets the sum of their gradients of it
     (all ranks of `group` = ``ep`` call this with the same table). One row per expert and rank:
-    a rank's several vExperts of an expert already share one gradient."""
-    shared = np.flatnonzero(table.holders().sum(0) > 1).tolist()
-    if not shared:
+    a rank's several vExperts of an expert already share one gradient.
+
+    Among the expert's holders only (FlexMoE Eq. 9 prices a replica's gradient synchronization
+    among its holders, charged to them): in round 1 every holder but the expert's root
+    (`grad_sum_roots`) sends the root its row; the root adds the holders' rows in ascending rank
+    order and, in round 2, sends each of them the sum, so every holder ends with the same bits
+    (the copies take the same AdamW step and stay identical). A rank's messages to one peer in a
+    round are one tensor (its experts for that peer, ascending). Point to point through
+    `collectives.p2p_exchange` (kind "vexpert_grad", tags `GRAD_TAGS`); a rank that holds no
+    replicated expert sends and receives nothing."""
+    me = group.rank
+    mine = [(e, root, ranks) for e, root, ranks in grad_sum_roots(table.slots, table.num_experts) if me in ranks]
+    if not mine or group.size == 1:
         return
     rows = {e: k for k, e in expert_rows(table)}
     grads = [grad_buffer(p) for p in params]  # fp32 main_grad in bf16 runs (model/precision.py)
     width = sum(math.prod(g.shape[1:]) for g in grads)
-    buffer = grads[0].new_zeros(len(shared), width)  # [X, all parameters of one expert]
-    for i, e in enumerate(shared):
-        if e in rows:
-            buffer[i] = torch.cat([g[rows[e]].reshape(-1) for g in grads])
-    if group.size > 1:
-        C.all_reduce(buffer, group, kind=GRAD_KIND)
-    for i, e in enumerate(shared):
-        if e in rows:
-            offset = 0
-            for g in grads:
-                n = g[rows[e]].numel()
-                g[rows[e]].copy_(buffer[i, offset: offset + n].view_as(g[rows[e]]))
-                offset += n
+
+    def row(e: int) -> torch.Tensor:
+        return torch.cat([g[rows[e]].reshape(-1) for g in grads])
+
+    to_root: Dict[int, List[int]] = defaultdict(list)  # root -> experts this rank sends it
+    from_holder: Dict[int, List[int]] = defaultdict(list)  # holder -> experts this rank roots
+    for e, root, ranks in mine:
+        if root != me:
+            to_root[root].append(e)
+        else:
+            for q in ranks:
+                if q != me:
+                    from_holder[q].append(e)
+    sends = [(r, torch.stack([row(e) for e in es])) for r, es in sorted(to_root.items())]
+    recvs = [(q, grads[0].new_empty(len(es), width)) for q, es in sorted(from_holder.items())]
+    C.p2p_exchange(sends, recvs, group, kind=GRAD_KIND, tag=GRAD_TAGS[0]).wait()
+    parts = {(q, e): buf[i] for (q, buf) in recvs for i, e in enumerate(from_holder[q])}
+    sums = {}
+    for e, root, ranks in mine:
+        if root == me:
+            total = None
+            for q in ranks:  # fixed order: ascending holder rank
+                part = row(e) if q == me else parts[(q, e)]
+                total = part.clone() if total is None else total.add_(part)
+            sums[e] = total
+    sends = [(q, torch.stack([sums[e] for e in es])) for q, es in sorted(from_holder.items())]
+    recvs = [(r, grads[0].new_empty(len(es), width)) for r, es in sorted(to_root.items())]
+    C.p2p_exchange(sends, recvs, group, kind=GRAD_KIND, tag=GRAD_TAGS[1]).wait()
+    sums.update({e: buf[i] for (r, buf) in recvs for i, e in enumerate(to_root[r])})
+    for e, total in sums.items():
+        offset = 0
+        for g in grads:
+            n = g[rows[e]].numel()
+            g[rows[e]].copy_(total[offset: offset + n].view_as(g[rows[e]]))
+            offset += n
 
 
 # -- routing --------------------------------------------------------------------------------------
