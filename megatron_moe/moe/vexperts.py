@@ -132,15 +132,12 @@ def grad_sum_roots(slots: np.ndarray, num_experts: int) -> List[Tuple[int, int, 
 
 
 def grad_sum_traffic(slots: np.ndarray, num_experts: int, width: int) -> np.ndarray:
-    """Float[ep, ep]: elements EP rank i sends rank j in `sync_replica_grads` (both rounds), one
-    expert's gradient being `width` elements: every non-root holder sends the root its row, the
-    root sends each of them the sum."""
-    ep = slots.shape[0]
-    P = np.zeros((ep, ep))
+    """Float[ep, ep]: elements EP rank i sends rank j in round 1 of `sync_replica_grads`, one
+    expert's gradient being `width` elements: every non-root holder sends the root its row.
+    Round 2 (the root sends each of them the sum) is its transpose."""
+    P = np.zeros((slots.shape[0],) * 2)
     for _, root, ranks in grad_sum_roots(slots, num_experts):
-        others = [q for q in ranks if q != root]
-        P[others, root] += width
-        P[root, others] += width
+        P[[q for q in ranks if q != root], root] += width
     return P
 
 

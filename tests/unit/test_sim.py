@@ -19,7 +19,8 @@ from megatron_moe.perf.hardware import load_profile, save_profile
 from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import STAGE_GROUPS, WorldLayout
 from megatron_moe.sim.moe_layer import Executed
-from megatron_moe.sim.ops import Op, OpBuilder
+from megatron_moe.sim.ops import Op, OpBuilder, traffic_of
+from megatron_moe.sim.replica_traffic import vexpert_grad_op
 from megatron_moe.sim.results import candidate_options
 from megatron_moe.sim.runner import Simulation, keep_pieces
 from megatron_moe.sim.timeline import Timeline
@@ -213,6 +214,22 @@ def test_timeline_semantics(cluster_profile):
     t.end_backward()
     assert t.clock.tolist() == pytest.approx([2e-3 + 6e-3] * 4)  # 2 ms dX, the 2 ms dW inside the 6 ms all-to-all
     assert t.breakdown(0)[("moe0", "dw_overlap")] == pytest.approx((2e-3, 0.0))  # Lancet's "overlap"
+
+
+def test_vexpert_gradient_sum_among_holders_by_hand(cluster_profile):
+    """`sync_replica_grads` priced as it runs: 4 EP ranks, 2 per node; expert 0 on ranks 0 and 1
+    (root: holder 0 mod 2 = rank 0), expert 1 on ranks 0, 1, 2 (root: holder 1 mod 3 = rank 1),
+    rank 3 holds no replicated expert; 1000 fp32 elements per expert."""
+    world, b = _world(cluster_profile, expert=4, ranks_per_node=2)
+    ops = vexpert_grad_op(b, np.array([[0, 1], [1, 0], [2, 1], [3, -1]]), 4, 1000)
+    # round 1: 1 -> 0 (expert 0), 0 -> 1 and 2 -> 1 (expert 1); round 2 the sums back
+    assert traffic_of(ops)["vexpert_grad/ep"].tolist() == [8000, 12000, 4000, 0]
+    t = Timeline(world)
+    t.run(ops, "iteration")
+    intra, inter = 1e-3 + 1e-6 * 1000, 2e-3 + 4e-6 * 1000  # 1000 elements on the node / across nodes
+    # rank 1 and 2 exchange across nodes in both rounds; rank 3 neither spends nor waits
+    assert t.clock.tolist() == pytest.approx([2 * intra, 2 * inter, 2 * inter, 0.0])
+    assert vexpert_grad_op(b, np.array([[0, 1], [2, -1], [3, -1], [-1, -1]]), 4, 1000) == []  # no replica
 
 
 def test_one_layer_times_by_hand(cluster_profile, tmp_path):
