@@ -9,10 +9,11 @@ weights' width (`Widths.weight`: 2 in bf16 runs, else 4), gradients are fp32 mai
            the owner sends Q x w bytes to each replica.
     Agg    the adjoint: a reduce to the owner (every other rank counts Q x 4), or each replica
            sends Q x 4 bytes to the owner ("agg/ep").
-    vExpert gradients: among each expert's holders (FlexMoE Eq. 9), two rounds of point-to-point
-           messages on ep (`vexperts.grad_sum_traffic`): each non-root holder sends the expert's
-           root Q x 4 bytes, then the root sends each of them the sum ("vexpert_grad/ep"), once per
-           iteration. A rank holding no replicated expert sends nothing and spends nothing.
+    vExpert gradients: among each expert's k holders (FlexMoE Eq. 9), two rounds of point-to-point
+           messages on ep (`vexperts.grad_sum_traffic`): each holder sends each chunk's root its
+           part (about Q / k x 4 bytes), then each root sends the other holders its summed chunk
+           ("vexpert_grad/ep"), once per iteration: 2 (k - 1) / k x Q x 4 bytes per holder. A
+           rank holding no replicated expert sends nothing and spends nothing.
     vExpert moves: `vexpert_moves.plan_transfers` (the transfers `MovesInFlight` posts) between the
            old and new slots; each transfer's source sends Q (x 3 with AdamW's two moments) x 4
            bytes ("vexpert_move/ep").
@@ -82,8 +83,8 @@ def replica_ops(b: OpBuilder, placements: list, params: int, tensors: int, handl
 
 
 def vexpert_grad_op(b: OpBuilder, slots: np.ndarray, num_experts: int, params: int) -> List[Op]:
-    """`sync_replica_grads`: round 1 (holders -> root) and round 2 (root -> holders) of every
-    expert held by more than one EP rank, `params` fp32 elements per expert and message. Each
+    """`sync_replica_grads`: round 1 (holders -> each chunk's root) and round 2 (roots -> holders)
+    of every expert held by more than one EP rank, `params` fp32 elements per expert. Each
     round is a batch of point-to-point messages priced per rank (`Cluster.exchange` "p2p": the
     larger of what it sends and receives): a holder pays for its own messages, a rank with none
     pays nothing and waits for no one (not modelled: a root waiting for a later holder; the next

@@ -217,18 +217,26 @@ def test_timeline_semantics(cluster_profile):
 
 
 def test_vexpert_gradient_sum_among_holders_by_hand(cluster_profile):
-    """`sync_replica_grads` priced as it runs: 4 EP ranks, 2 per node; expert 0 on ranks 0 and 1
-    (root: holder 0 mod 2 = rank 0), expert 1 on ranks 0, 1, 2 (root: holder 1 mod 3 = rank 1),
-    rank 3 holds no replicated expert; 1000 fp32 elements per expert."""
+    """`sync_replica_grads` priced as it runs: 4 EP ranks, 2 per node, 1000 fp32 elements per
+    expert. Expert 0 on ranks 0 and 1: chunks [0, 500) summed on rank 0, [500, 1000) on rank 1.
+    Expert 1 on ranks 0, 1, 2: chunks of 334, 333, 333 summed on holders (1 + j) mod 3 = ranks
+    1, 2, 0. Rank 3 holds no replicated expert."""
     world, b = _world(cluster_profile, expert=4, ranks_per_node=2)
     ops = vexpert_grad_op(b, np.array([[0, 1], [1, 0], [2, 1], [3, -1]]), 4, 1000)
-    # round 1: 1 -> 0 (expert 0), 0 -> 1 and 2 -> 1 (expert 1); round 2 the sums back
-    assert traffic_of(ops)["vexpert_grad/ep"].tolist() == [8000, 12000, 4000, 0]
+    # round 1 (elements): 0 -> 1: 500 + 334, 0 -> 2: 333, 1 -> 0: 500 + 333, 1 -> 2: 333, 2 -> 0: 333,
+    # 2 -> 1: 334; round 2 the transpose
+    sent = [834 + 333 + 833 + 333, 833 + 333 + 834 + 334, 333 + 334 + 333 + 333, 0]
+    assert traffic_of(ops)["vexpert_grad/ep"].tolist() == [4 * x for x in sent]
     t = Timeline(world)
     t.run(ops, "iteration")
-    intra, inter = 1e-3 + 1e-6 * 1000, 2e-3 + 4e-6 * 1000  # 1000 elements on the node / across nodes
-    # rank 1 and 2 exchange across nodes in both rounds; rank 3 neither spends nor waits
-    assert t.clock.tolist() == pytest.approx([2 * intra, 2 * inter, 2 * inter, 0.0])
+
+    def p2p(on, off):  # the larger of the node link's and the inter-node link's time
+        return max(1e-3 + 1e-6 * on if on else 0.0, 2e-3 + 4e-6 * off if off else 0.0)
+
+    # per round: rank 0 834 on its node / 333 off it, rank 1 834 / 334, rank 2 0 / 667 (the
+    # larger of sent and received); rank 3 neither spends nor waits
+    expected = [2 * p2p(834, 333), 2 * p2p(834, 334), 2 * p2p(0, 667), 0.0]
+    assert t.clock.tolist() == pytest.approx(expected)
     assert vexpert_grad_op(b, np.array([[0, 1], [2, -1], [3, -1], [-1, -1]]), 4, 1000) == []  # no replica
 
 
