@@ -6,7 +6,10 @@
 Rows: baseline (Parm Fig. 3(a), DeepSpeed-MoE style), s1, s2 (AAS), s2_saa, auto (Alg. 1 with
 --profile, S2 with AAS), auto_saa (S2 with SAA) and auto_saa_s1_phased: auto + SAA as it ran
 before review issue #15 item 5, S1's combine through SAA's phased point-to-point exchange instead
-of its plain all-to-all (kept to measure that fix in the same run); and `deepspeed`,
+of its plain all-to-all (kept to measure that fix in the same run); node_dedup: the baseline with
+the node-deduplicated dispatch (`moe.token_dispatch=node_dedup`, docs/node_dedup.md: a token
+crosses to a node once, whatever its experts there; with --ranks-per-node and group-limited
+routing, --router-groups G --router-group-topk M, for every row); and `deepspeed`,
 DeepSpeed-MoE's own layer on the same gate and expert weights, whenever `deepspeed` is importable
 (`pip install deepspeed`; --expert-shard 1, gelu, no --skew; otherwise the JSON config's
 `deepspeed_row` says why it is absent; its time only, as its collectives bypass our counters).
@@ -86,7 +89,9 @@ ROWS = {  # name -> (moe.schedule, moe.saa)
     "auto": ("auto", False),
     "auto_saa": ("auto", True),
     "auto_saa_s1_phased": ("auto", True),
+    "node_dedup": ("baseline", False),  # + moe.token_dispatch=node_dedup (ROW_DISPATCH)
 }
+ROW_DISPATCH = {"node_dedup": "node_dedup"}  # moe.token_dispatch of a row (default per_copy)
 
 
 class AutoWithPhasedS1(Auto):
@@ -125,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run every row without SAA with FasterMoE's smart schedule (rows '<name>+smart')")
     p.add_argument("--smart-group-size", type=int, default=1, help="moe.smart_group_size")
     p.add_argument("--gate", default="softmax", help="moe.gate (topology: FasterMoE's topology-aware gate)")
+    p.add_argument("--router-groups", type=int, default=1, help="moe.router_groups (group-limited routing)")
+    p.add_argument("--router-group-topk", type=int, default=None, help="moe.router_group_topk")
     p.add_argument("--ranks-per-node", type=int, default=None, help="simulated node size (inter-node bytes)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: bf16 weights, tokens and gradients, weight gradients into fp32 main grads "
@@ -156,8 +163,11 @@ BALANCER_VARIANTS = {"proprophet:overlap": "proprophet",  # + Pro-Prophet's bloc
                      "flexmoe:best_effort": "flexmoe"}  # moe.flexmoe.moves=best_effort (FlexMoE §4)
 
 
-def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: bool = False) -> Config:
+def layer_config(args, schedule: str, saa: bool, balancer: str = "none", smart: bool = False,
+                 token_dispatch: str = "per_copy") -> Config:
     cfg = Config()
+    cfg.moe.token_dispatch = token_dispatch
+    cfg.moe.router_groups, cfg.moe.router_group_topk = args.router_groups, args.router_group_topk
     cfg.moe.proprophet.overlap = balancer == "proprophet:overlap"
     cfg.moe.proprophet.min_replicas = args.min_replicas
     cfg.moe.flexmoe.moves = "best_effort" if balancer == "flexmoe:best_effort" else "sync"
@@ -212,7 +222,7 @@ def memory_bytes(stack: LayerStack, precision: str, replica_bytes: int) -> list:
 
 def build_layer(args, row: str, balancer: str, smart: bool, state, device) -> LayerStack:
     schedule, saa = ROWS[row]
-    cfg = layer_config(args, schedule, saa, balancer, smart)
+    cfg = layer_config(args, schedule, saa, balancer, smart, ROW_DISPATCH.get(row, "per_copy"))
     layers = []
     for index in range(args.layers):
         layer = MoELayer(cfg, state, layer_index=index)
@@ -358,7 +368,8 @@ def main(argv=None) -> int:
         args.profile = resolve_hardware_profile(every_need, state, device, say=lambda msg: print(msg, flush=True),
                                                 run_dir_copy=False).perf.hardware_profile
     variants = [(row, b, smart) for smart in ([False, True] if args.smart else [False]) for b in args.balancer
-                for row in args.rows if not (smart and ROWS[row][1])]  # the smart schedule replaces SAA
+                for row in args.rows  # the smart schedule replaces SAA and sends per copy
+                if not (smart and (ROWS[row][1] or row in ROW_DISPATCH))]
     layers = {row_name(*v): build_layer(args, *v, state, device) for v in variants}
     times = {name: [] for name in layers}
     comm_times = {name: [] for name in layers}

@@ -1,6 +1,6 @@
 """Shared pieces of the checkpoint tests: a tiny synthetic dataset (no corpus to build, so spawned
-ranks start fast), a Mixtral-shaped tiny config, a hardware profile under which vExperts move, and the tensors of a
-Hugging Face directory."""
+ranks start fast), a Mixtral-shaped tiny config, a hardware profile under which vExperts move, a
+tiny random Hugging Face model saved locally, and the tensors of a Hugging Face directory."""
 import json
 
 import numpy as np
@@ -62,6 +62,21 @@ class SyntheticBertSamples:
 def synthetic_bert_datasets(cfg):
     n = max(1, cfg.training.train_iters) * cfg.training.global_batch_size
     return SyntheticBertSamples(n, cfg.model.seq_length, cfg.model.vocab_size), None
+
+
+def random_hf_model(config_cls: str, model_cls: str, config: dict, path):
+    """A `transformers` model of class `model_cls` built from `config_cls(**config)` with seed 0,
+    every weight perturbed off its init (norms and biases not at 1 / 0), saved to `path`; eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    return model
 
 
 def hf_tensors(path):

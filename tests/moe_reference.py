@@ -40,6 +40,7 @@ class ReferenceOutput:
     tokens_per_expert: List[int]  # choices per expert before drops
     kept_per_expert: List[int]  # choices per expert after drops
     dropped: int
+    kept: List[List[int]]  # per token: its kept choices (experts), in choice order
 
 
 def _gelu(v: torch.Tensor) -> torch.Tensor:
@@ -126,17 +127,19 @@ def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config
     norm = k > 1 if moe.norm_topk_prob is None else moe.norm_topk_prob
     capacity = None if moe.capacity_factor is None else math.ceil(moe.capacity_factor * n * k / num_experts)
     chosen_count, kept_count = [0] * num_experts, [0] * num_experts
-    outputs = []
+    outputs, kept = [], []
     gated = topology_choices([p.detach() for p in probs], k, remote, budget) if remote is not None else None
     for t in range(n):
         choices = gated[t] if gated else _choices(scores[t].detach(), None if bias is None else bias.detach(), moe, k)
         total = sum(scores[t][e] for e in choices)
         out = torch.zeros_like(x[t])
+        kept.append([])
         for e in choices:
             chosen_count[e] += 1
             if capacity is not None and chosen_count[e] > capacity:
                 continue
             kept_count[e] += 1
+            kept[-1].append(e)
             weight = (scores[t][e] / total if norm else scores[t][e]) * moe.topk_scaling_factor
             out = out + weight * _expert(x[t], e, weights, cfg.model.activation)
         if "shared_expert.mlp.fc1.weight" in weights:
@@ -146,7 +149,8 @@ def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config
     balance = num_experts * sum(chosen_count[e] / (n * k) * mean_prob[e] for e in range(num_experts))
     z = torch.stack([torch.logsumexp(logit, dim=0) ** 2 for logit in logits]).mean()
     aux = moe.aux_loss_coeff * balance + moe.z_loss_coeff * z
-    return ReferenceOutput(torch.stack(outputs), aux, chosen_count, kept_count, sum(chosen_count) - sum(kept_count))
+    return ReferenceOutput(torch.stack(outputs), aux, chosen_count, kept_count, sum(chosen_count) - sum(kept_count),
+                           kept)
 
 
 def random_full_weights(cfg: Config, seed: int, router_std: float = 1.0, bias_std: float = 0.5) -> Dict[str, torch.Tensor]:

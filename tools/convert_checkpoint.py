@@ -5,8 +5,9 @@
     reshard    --input CKPT --output FILE.safetensors --consolidated
     export-hf  --input CKPT --output HF_DIR [--family mixtral|qwen2_moe|qwen3_moe|olmoe] [--max-shard-mb N]
                [--precision fp32|bf16]   (default: the run's training.precision)
-    import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [section.key=value ...]
-    upcycle    --input DENSE_CKPT --num-experts N --output CKPT
+    import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [--num-experts N [--top-k K]] [section.key=value ...]
+               (a dense Llama / Mistral / Qwen3 directory: our dense model, or upcycled with --num-experts)
+    upcycle    --input DENSE_CKPT --num-experts N [--top-k K] --output CKPT
     upgrade-swiglu --input OLD_CKPT --output CKPT   (SwiGLU checkpoints from before the halves layout)
 
 CKPT may be a checkpoint root (its newest complete checkpoint is used) or one iter_* directory.
@@ -36,15 +37,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-shard-mb", type=int, default=5 * 1024, help="safetensors shard size limit (default 5 GiB)")
     p.add_argument("--precision", choices=["fp32", "bf16"],
                    help="dtype of the exported weights (default: the checkpoint's training.precision)")
-    p = sub.add_parser("import-hf", help="Hugging Face MoE directory (family from its config.json) -> checkpoint")
+    p = sub.add_parser("import-hf", help="Hugging Face MoE or dense directory (family from its config.json) -> checkpoint")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--config", help="base YAML for the non-model settings (training, optimizer, ...)")
+    p.add_argument("--num-experts", type=int, help="dense families: upcycle to N experts per layer, each = the dense FFN")
+    p.add_argument("--top-k", type=int, help="with --num-experts: experts per token (default: the config's moe.top_k)")
     p.add_argument("overrides", nargs="*")
     p = sub.add_parser("upcycle", help="dense checkpoint -> MoE checkpoint, every expert = the dense FFN")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--num-experts", type=int, required=True)
+    p.add_argument("--top-k", type=int, help="experts per token (default: the checkpoint's moe.top_k)")
     p = sub.add_parser("upgrade-swiglu", help="interleaved (gate, up) SwiGLU weights -> the halves layout")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
@@ -59,11 +63,13 @@ def main(argv=None) -> int:
             offline.export_hf(args.input, args.output, args.family, args.max_shard_mb << 20, args.precision)
             out = args.output
         elif args.command == "import-hf":
-            out = offline.import_hf(args.input, args.output, args.config, args.overrides)
+            if args.top_k is not None and args.num_experts is None:
+                parser.error("--top-k goes with --num-experts (upcycling a dense model)")
+            out = offline.import_hf(args.input, args.output, args.config, args.overrides, args.num_experts, args.top_k)
         elif args.command == "upgrade-swiglu":
             out = offline.upgrade_swiglu(args.input, args.output)
         else:
-            out = offline.upcycle(args.input, args.num_experts, args.output)
+            out = offline.upcycle(args.input, args.num_experts, args.output, args.top_k)
     except (CheckpointError, ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -106,6 +106,9 @@ class MoEConfig:
     shared_expert_ffn_hidden_size: Optional[int] = None  # shared experts (dense, every token): their FFN width; null = none
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output x sigmoid(x w_g), w_g [1, h]
     schedule: str = "baseline"  # registry: moe/schedules
+    # registry moe.token_dispatch (the baseline's EP-AlltoAll pair): per_copy = one row per (token, expert) |
+    # node_dedup = one row per (token, node) over the network, forwarded inside the node (DeepSeek-V3 §3.2.2)
+    token_dispatch: str = "per_copy"
     balancer: str = "none"  # registry: moe/balancers
     saa: bool = False  # Parm SAA: overlap S2's second EP&ESP-AlltoAll with its MP-AllGather (s2, auto)
     fastermoe: FasterMoEConfig = field(default_factory=FasterMoEConfig)  # moe.balancer=fastermoe (docs/balancers.md)

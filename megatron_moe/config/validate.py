@@ -22,9 +22,9 @@ from megatron_moe.config.registry import Hooks
 # (cfg, world_size) -> None, raising ConfigError; run in this order (names: the section they check)
 SECTION_CHECKS: Hooks = Hooks("config section check", (
     # selected entries of the registries
-    "moe.schedule", "moe.balancer", "moe.gate", "optimizer.lr_schedule", "data.tokenizer.type",
+    "moe.schedule", "moe.balancer", "moe.gate", "moe.token_dispatch", "optimizer.lr_schedule", "data.tokenizer.type",
     # the techniques' options and the hardware profile their cost models need
-    "parm", "moe.lancet.partitions", "moe.smart_schedule", "moe.fastermoe",
+    "parm", "moe.lancet.partitions", "moe.smart_schedule", "moe.node_dedup", "moe.fastermoe",
     "moe.proprophet", "moe.flexmoe", "moe.eplb", "perf.hardware_profile",
     "moe.topology_gate",  # after parallel.ranks_per_node
     "model.attention", "moe.router", "moe.shared_expert",  # the architecture, after the degrees divide the world

@@ -102,7 +102,14 @@ def base_hf_config(family: Family, cfg: Config) -> dict:
 
 
 def base_overrides(hf: dict) -> List[str]:
-    """Overrides from the keys every family shares; refuses what we lack, naming the field."""
+    """Overrides from the keys every MoE family shares; refuses what we lack, naming the field."""
+    return model_overrides(hf) + [f"moe.top_k={hf['num_experts_per_tok']}", "moe.capacity_factor=null",
+                                  f"moe.aux_loss_coeff={float(hf.get('router_aux_loss_coef', 0.01))}"]
+
+
+def model_overrides(hf: dict) -> List[str]:
+    """`model.*` overrides from the keys every family, MoE or dense (hf_dense.py), shares; refuses
+    what we lack, naming the field."""
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     if hf.get("hidden_act", "silu") != "silu":
@@ -124,9 +131,7 @@ def base_overrides(hf: dict) -> List[str]:
            "model.normalization=rmsnorm", "model.activation=swiglu", "model.position_embedding=rope",
            f"model.rope_theta={theta}", "model.bias=false", f"model.tie_embeddings={str(bool(hf.get('tie_word_embeddings', False))).lower()}",
            f"model.norm_eps={float(hf.get('rms_norm_eps', 1e-6))}",
-           f"model.init_std={float(hf.get('initializer_range', 0.02))}", "model.dropout=0.0",
-           f"moe.top_k={hf['num_experts_per_tok']}", "moe.capacity_factor=null",
-           f"moe.aux_loss_coeff={float(hf.get('router_aux_loss_coef', 0.01))}"]
+           f"model.init_std={float(hf.get('initializer_range', 0.02))}", "model.dropout=0.0"]
     if hf.get("head_dim") in (None, hf["hidden_size"] // heads) and hf["hidden_size"] % heads == 0:
         out[4] = "model.head_dim=null"
     return out

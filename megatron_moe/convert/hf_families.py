@@ -1,15 +1,31 @@
-"""The Hugging Face MoE families we convert, by `config.json`'s `model_type` (docs/checkpoints.md)."""
+"""The Hugging Face families we convert, by `config.json`'s `model_type` (docs/checkpoints.md): MoE
+families both ways (`FAMILIES`), dense ones imported to be upcycled (`DENSE_FAMILIES`, hf_dense.py)."""
 from __future__ import annotations
 
+from typing import Union
+
 from megatron_moe.convert.hf_common import Family
+from megatron_moe.convert.hf_dense import LLAMA, MISTRAL, QWEN3, DenseFamily
 from megatron_moe.convert.hf_mixtral import MIXTRAL
 from megatron_moe.convert.hf_olmoe import OLMOE
 from megatron_moe.convert.hf_qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES = {family.model_type: family for family in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)}
+DENSE_FAMILIES = {family.model_type: family for family in (LLAMA, MISTRAL, QWEN3)}
 
 
 def family_of(model_type) -> Family:
+    """The MoE family of `model_type` (export, import)."""
     if model_type not in FAMILIES:
         raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def import_family_of(model_type) -> Union[Family, DenseFamily]:
+    """The MoE or dense family of `model_type` (import)."""
+    if model_type in DENSE_FAMILIES:
+        return DENSE_FAMILIES[model_type]
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(FAMILIES))} (MoE), {', '.join(sorted(DENSE_FAMILIES))} (dense, to upcycle)")
     return FAMILIES[model_type]

@@ -6,9 +6,11 @@
 * `consolidate`: every global tensor in one safetensors file (+ meta and config as text);
 * `upcycle`: sparse upcycling (Komatsuzaki et al. 2023, §3.1): every expert of every layer starts
   as that layer's dense FFN, the router as initialized from the seed; with top-k weights that sum
-  to one (top_k >= 2, renormalized) the MoE model computes exactly the dense model's function;
+  to one (`moe.norm_topk_prob`, or top_k >= 2 by default) the MoE model computes exactly the
+  dense model's function;
 * `export_hf` / `import_hf`: Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (`convert/hf_common.py`);
-  export streams layer by layer into safetensors shards, import reads tensors lazily;
+  export streams layer by layer into safetensors shards, import reads tensors lazily; import also
+  takes dense Llama, Mistral and Qwen3 (`convert/hf_dense.py`), as they are or upcycled;
 * `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
 
 Conversions work on full global tensors, so they need host memory for the whole checkpoint
@@ -162,18 +164,32 @@ _UPCYCLE = {"fc1.weight": ("w1", lambda t: t.movedim(-1, 0)), "fc1.bias": ("b1",
             "fc2.weight": ("w2", torch.t), "fc2.bias": ("b2", lambda t: t)}
 
 
-def upcycle(path: str, num_experts: int, out_root: str) -> str:
-    """Dense checkpoint -> MoE checkpoint with `num_experts` copies of each layer's FFN (every layer MoE)."""
+def upcycle(path: str, num_experts: int, out_root: str, top_k: Optional[int] = None) -> str:
+    """Dense checkpoint -> MoE checkpoint with `num_experts` copies of each layer's FFN (every layer
+    MoE), `top_k` experts per token (default: the checkpoint's `moe.top_k`)."""
     path, dense = model_weights(path)
     cfg = checkpoint_config(path, SINGLE)
     moe_layers = [i for i in range(cfg.model.num_layers) if f"layers.{i}.ffn.router.weight" in dense]
     if moe_layers:
         raise ValueError(f"upcycle needs a dense checkpoint (moe.layer_freq > model.num_layers); "
                          f"layer {moe_layers[0]} is already MoE")
-    target = checkpoint_config(path, SINGLE + [f"moe.num_experts={num_experts}", "moe.layer_freq=1",
-                                               f"moe.expert_ffn_hidden_size={cfg.model.ffn_hidden_size}"])
-    if target.moe.top_k > num_experts:
-        raise ValueError(f"--num-experts {num_experts} is smaller than moe.top_k={target.moe.top_k}")
+    target = checkpoint_config(path, SINGLE + upcycle_overrides(cfg, num_experts, top_k))
+    return write_model_checkpoint(out_root, target, upcycle_weights(dense, target))
+
+
+def upcycle_overrides(dense: Config, num_experts: int, top_k: Optional[int] = None) -> List[str]:
+    """What turns the dense model's config into the upcycled one's: `num_experts` experts of the
+    dense FFN's width in every layer, `top_k` of them per token (None: `moe.top_k` as it is)."""
+    out = [f"moe.num_experts={num_experts}", "moe.layer_freq=1",
+           f"moe.expert_ffn_hidden_size={dense.model.ffn_hidden_size}"]
+    return out + ([] if top_k is None else [f"moe.top_k={top_k}"])
+
+
+def upcycle_weights(dense: Dict[str, torch.Tensor], target: Config) -> Dict[str, torch.Tensor]:
+    """The dense model's weights -> the upcycled model's (`target`): every expert of layer i = layer
+    i's FFN, the routers as the model initializes them from the seed, the rest unchanged."""
+    if target.moe.top_k > target.moe.num_experts:
+        raise ValueError(f"--num-experts {target.moe.num_experts} is smaller than moe.top_k={target.moe.top_k}")
     routers = {name: p.detach() for name, p in build_single_process_model(target).named_parameters()
                if name.endswith("router.weight")}
     weights = {}
@@ -184,9 +200,9 @@ def upcycle(path: str, num_experts: int, out_root: str) -> str:
             continue
         expert_name, per_expert = _UPCYCLE[leaf]
         weights[f"{prefix}.ffn.experts.{expert_name}"] = per_expert(tensor).unsqueeze(0).expand(
-            num_experts, *per_expert(tensor).shape).contiguous()
+            target.moe.num_experts, *per_expert(tensor).shape).contiguous()
         weights.setdefault(f"{prefix}.ffn.router.weight", routers[f"{prefix}.ffn.router.weight"])
-    return write_model_checkpoint(out_root, target, weights)
+    return weights
 
 
 # -- Hugging Face -------------------------------------------------------------------------------
@@ -227,18 +243,29 @@ def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_b
                lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes, PARAM_DTYPES[precision])
 
 
-def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = ()) -> str:
+def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = (),
+              num_experts: Optional[int] = None, top_k: Optional[int] = None) -> str:
     """HF directory (family from its config.json) -> our checkpoint; training settings from
-    `base_config` (+ overrides)."""
+    `base_config` (+ overrides). A dense family (hf_dense.py) gives our dense model, or, with
+    `num_experts`, that model upcycled (`upcycle_weights`, `top_k` experts per token) into the
+    shape of the MoE family it names."""
     from megatron_moe.convert import hf_common as H
-    from megatron_moe.convert.hf_families import family_of
+    from megatron_moe.convert.hf_dense import DenseFamily
+    from megatron_moe.convert.hf_families import family_of, import_family_of
     from megatron_moe.model.transformer import is_moe_layer
 
     reader = H.HFReader(hf_dir)
-    fam = family_of(reader.config.get("model_type"))
+    fam = import_family_of(reader.config.get("model_type"))
+    if num_experts is not None and not isinstance(fam, DenseFamily):
+        raise ValueError(f"--num-experts upcycles a dense model; {fam.architecture} is already MoE")
     cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides))
     H.check_shape(fam, cfg)
     weights = H.outer_from_hf(cfg, reader.get)
     for i in range(cfg.model.num_layers):
         weights.update(H.layer_from_hf(fam, cfg, reader.get, reader.has, i, is_moe_layer(i, cfg.moe.layer_freq)))
+    if num_experts is not None:
+        cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides)
+                          + upcycle_overrides(cfg, num_experts, top_k))
+        H.check_shape(family_of(fam.upcycles_to), cfg)
+        weights = upcycle_weights(weights, cfg)
     return write_model_checkpoint(out_root, cfg, weights)

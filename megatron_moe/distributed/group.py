@@ -28,7 +28,10 @@ class Group:
     def global_rank(self, index: int) -> int:
         return self.ranks[index]
 
+    def node_of(self, index: int) -> int:
+        """The node member `index` runs on (global rank // ranks per node; one node without a value)."""
+        return self.ranks[index] // (self.ranks_per_node or max(self.ranks) + 1)
+
     def off_node(self, index: int) -> bool:
         """Is member `index` on another node than this rank (its traffic crosses the network)?"""
-        per_node = self.ranks_per_node or max(self.ranks) + 1
-        return self.ranks[index] // per_node != self.ranks[self.rank] // per_node
+        return self.node_of(index) != self.node_of(self.rank)

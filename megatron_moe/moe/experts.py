@@ -48,7 +48,7 @@ from megatron_moe.config.validate import expert_ffn_hidden_size
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
 from megatron_moe.model.param_meta import ParamMeta, make_param, residual_output_std
-from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad, scale_grad
+from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad, scale_grad, to_row_buckets
 from megatron_moe.moe.vexperts import SlotTable, expert_rows
 
 
@@ -137,6 +137,9 @@ class Experts(torch.nn.Module):
         w1, w2 = params[0], params[1]
         b1, b2 = (params[2], params[3]) if len(params) == 4 else (None, None)
         experts = len(counts)
+        # CPU bf16: both projections on row buckets, padded once here (moe/grouped_gemm.py); the
+        # padding rows' outputs are dropped at the end, so their gradients are zero
+        x, counts, positions = to_row_buckets(x, counts)
 
         def project(rows, weight):  # [m, k] through [G, k, n]
             if own_grad_scale is None:
@@ -153,5 +156,5 @@ class Experts(torch.nn.Module):
             bias = b2.repeat_interleave(rows, dim=0, output_size=x.shape[0])  # [m, h/esp]
             before = self.esp_rank * bias.shape[1]
             out = out + F.pad(bias, (before, self.hidden_size - before - bias.shape[1]))
-        return out
+        return out if positions is None else out.index_select(0, positions)
 

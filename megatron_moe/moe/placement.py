@@ -57,6 +57,16 @@ def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
     return t.cumsum(0) - t
 
 
+def expert_major_order(blocks: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """Long[rows]: permutation of rows received as blocks (Long[senders, E]: rows per (sender,
+    expert); sender-major, experts ascending within a sender) into expert-major order (experts as
+    in `order`, senders ascending within an expert). Experts outside `order` must have no rows."""
+    starts = _exclusive_cumsum(blocks.flatten()).view_as(blocks)  # offset of each block as received
+    lengths, starts = blocks[:, order].t().flatten(), starts[:, order].t().flatten()  # expert-major blocks
+    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
+    return torch.repeat_interleave(starts, lengths) + within
+
+
 @dataclass(frozen=True)
 class Placement:
     replicas: Tuple[Tuple[int, ...], ...]  # [E] EP ranks computing expert e, a holder first
@@ -174,12 +184,7 @@ class Placement:
     def receive_order_from(self, q: int, sources: Sequence[int]) -> torch.Tensor:
         """`receive_order` of the rows EP rank q receives from `sources` only, concatenated in that
         order (FasterMoE's smart schedule computes one group of sources at a time)."""
-        blocks = self.routing_table[list(sources), :, q]  # [S', E] rows per (source, expert)
-        starts = _exclusive_cumsum(blocks.flatten()).view_as(blocks)  # offset of each block as received
-        order = self.experts_on(q)
-        lengths, starts = blocks[:, order].t().flatten(), starts[:, order].t().flatten()  # expert-major blocks
-        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
-        return torch.repeat_interleave(starts, lengths) + within
+        return expert_major_order(self.routing_table[list(sources), :, q], self.experts_on(q))
 
     def source_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(Long[S, E]: each source's rows per expert, Long[S, ep]: rows each source sends to each

@@ -37,6 +37,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import expert_ffn_hidden_size, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
@@ -153,8 +154,16 @@ class ChunkOps:
         return out + [op for _, _, ops in self.registered for op in ops]
 
 
+# `moe.token_dispatch` values the schedule models send: node_dedup's rows depend on which of a
+# token's experts share a node, which a routing trace (counts per source and expert) does not hold
+SIMULATED_TOKEN_DISPATCH = ("per_copy",)
+
+
 class Simulation:
     def __init__(self, cfg: Config, profile: HardwareProfile, world_size: int, workdir: str):
+        if cfg.moe.token_dispatch not in SIMULATED_TOKEN_DISPATCH:
+            raise ConfigError(f"moe.token_dispatch={cfg.moe.token_dispatch}: the simulator models per_copy only (a "
+                              "routing trace counts assignments per source and expert, not which share a node)")
         node_size = profile.cluster.node_size if profile.cluster else None
         cfg = replace(cfg, parallel=replace(cfg.parallel, ranks_per_node=node_size or cfg.parallel.ranks_per_node))
         validate_config(replace(cfg, perf=replace(cfg.perf, hardware_profile=None)), world_size)  # the layout first

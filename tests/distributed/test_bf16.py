@@ -10,6 +10,8 @@ iteration, with
   both moments travel), bf16 point-to-point activations;
 * pipeline=2 expert=2 with Pro-Prophet's block-wise scheduler and Lancet's deferred dW (into the
   fp32 main gradients);
+* pipeline=2 expert=2, one rank per node, with the node-deduplicated dispatch
+  (`moe.token_dispatch=node_dedup`: its proxies' partial sums travel in bf16) and EPLB;
 * expert=4 resuming the single-process *fp32* run's checkpoint of iteration 2 with the distributed
   optimizer: its masters are the fp32 weights, so iterations 3.. follow the fp32 run to bf16 accuracy.
 
@@ -52,6 +54,9 @@ JOBS = {  # name: (RankLayout kwargs, overrides)
     "pp2-ep2-proprophet-lancet": (dict(pipeline=2, expert=2), [
         "parallel.pipeline=2", "parallel.expert=2", "moe.balancer=proprophet", "moe.proprophet.overlap=true",
         "moe.proprophet.min_replicas=1", "moe.lancet.defer_wgrad=true", PROFILE]),
+    "pp2-ep2-node-dedup-eplb": (dict(pipeline=2, expert=2, ranks_per_node=1), [
+        "parallel.pipeline=2", "parallel.expert=2", "parallel.ranks_per_node=1", "moe.token_dispatch=node_dedup",
+        "moe.balancer=eplb", "moe.eplb.interval=1"]),
 }
 RESUME_AT = 2
 

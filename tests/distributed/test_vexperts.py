@@ -50,18 +50,20 @@ RUNS = [  # (schedule, saa, smart, case)
 ]
 
 
-def _slot_config(index: int, schedule: str, saa: bool, smart: bool, ep: int):
+def _slot_config(index: int, schedule: str, saa: bool, smart: bool, ep: int, token_dispatch: str = "per_copy"):
     cfg, full, xs, gs = case_data(index, 1)
     cfg.moe.schedule, cfg.moe.saa, cfg.moe.smart_schedule = schedule, saa, smart
+    cfg.moe.token_dispatch = token_dispatch
     cfg.perf.hardware_profile = TESTBED_B
     cfg.moe.balancer = "eplb"  # slots (E + redundant) / ep; the table is set by hand below
     cfg.moe.eplb.redundant_slots = len(TABLES[ep][0]) * ep - E
     return cfg, full
 
 
-def _layer_run(sub: ParallelState, run):
+def layer_run(sub: ParallelState, run, token_dispatch: str = "per_copy"):
+    """One MoE layer on TABLES[ep]'s slots: run = (schedule, saa, smart, case)."""
     schedule, saa, smart, index = run
-    cfg, full = _slot_config(index, schedule, saa, smart, sub.ep_size)
+    cfg, full = _slot_config(index, schedule, saa, smart, sub.ep_size, token_dispatch)
     _, _, xs, gs = case_data(index, sub.dp_size)
     layer = MoELayer(cfg, sub, layer_index=0)
     reshape_storage(layer.experts, TABLES[sub.ep_size])
@@ -133,7 +135,7 @@ def _run(state, jobs):
         # the moves travel on ep's side channel, as the trainer builds it for best-effort moves
         sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank, side_channels=["ep"])
         in_flight = _issue_moves(sub)  # best-effort: every layer run below happens while it is in flight
-        layers = [_layer_run(sub, run) for run in RUNS]
+        layers = [layer_run(sub, run) for run in RUNS]
         out.append(dict(layers=layers, move=_complete_moves(*in_flight), side_channel=sub.ep.side_handle is not None))
     return out
 
@@ -150,48 +152,53 @@ def test_slot_placements_equal_reference_under_every_schedule(world, layout_kwar
     layout = RankLayout(world_size=world, **layout_kwargs)
     outputs = spawned(world, backend)[str(layout_kwargs)]
     for i, (schedule, saa, smart, index) in enumerate(RUNS):
-        label = f"{schedule} saa={saa} smart={smart} case {index}"
-        results = [out["layers"][i] for out in outputs]
-        slot_names = results[0]["slot_params"]
-        assert slot_names  # the expert stacks are slots
-        dense = [dict(r, meta={n: m for n, m in r["meta"].items() if n not in slot_names}) for r in results]
-        reference_output = reference(index, layout.data_parallel)
-        check_results(dense, reference_output, layout, label)
-        ref_grads = reference_output[2]
-        for rank, res in enumerate(results):
-            assert res["stats"].replicas == sum(1 for row in TABLES[layout.expert] for e in row if e >= 0) - E
-            held = sorted({e for e in TABLES[layout.expert][layout.coords(rank)["ep"]] if e >= 0})
-            assert [e for _, e in res["rows"]] == held  # one row per expert held: k vExperts, one copy
-            assert res["stack_bytes"] == len(held) * res["one_expert"], (rank, res["stack_bytes"])
-            # the gradient sum's traffic, from the slot table: expert e's k holders H cut its W
-            # elements into k chunks (the first W mod k one longer), chunk j summed by H[(e + j) mod k];
-            # a holder sends every other chunk's root its part and receives its own chunk's parts
-            # from the k - 1 others, then sends its summed chunk to them and receives theirs
-            table, q, width = TABLES[layout.expert], layout.coords(rank)["ep"], res["one_expert"] // 4
-            each_way = 0
-            for e in range(E):
-                holders = [p for p in range(layout.expert) if e in table[p]]
-                k = len(holders)
-                if k > 1 and q in holders:
-                    own = sum(width // k + (j < width % k) for j in range(k) if holders[(e + j) % k] == q)
-                    each_way += (width - own) + (k - 1) * own
-            sent, received, calls = res["grad_sum"]
-            assert (sent, received) == (each_way * 4,) * 2, (label, rank, res["grad_sum"], each_way)
-            assert calls == (2 if each_way else 0), (label, rank, calls)  # a non-holder posts nothing
-            for other in layout.group_of("ep", rank):  # the copies of an expert carry the same bits
-                for k, e in res["rows"]:
-                    for k2, e2 in results[other]["rows"]:
-                        if e2 == e:
-                            for name in slot_names:
-                                assert torch.equal(res["grads"][name][k], results[other]["grads"][name][k2]), \
-                                    (label, rank, other, name, e)
-            for name in slot_names:
-                slices = res["meta"][name][1]
-                edp = layout.group_of("edp", rank)
-                for k, e in res["rows"]:
-                    synced = sum(results[q]["grads"][name][k] for q in edp) / layout.data_parallel
-                    torch.testing.assert_close(synced, ref_grads[name][e][slices[1:]], **FP32,
-                                               msg=lambda m: f"{label} rank {rank} {name} row {k} (expert {e}): {m}")
+        check_slot_results([out["layers"][i] for out in outputs], layout, index,
+                           f"{schedule} saa={saa} smart={smart} case {index}")
+
+
+def check_slot_results(results, layout: RankLayout, index: int, label: str) -> None:
+    """Every rank's `layer_run` result against the reference of case `index`: outputs, dense
+    gradients, and each stored row's gradient summed over its expert's holders."""
+    slot_names = results[0]["slot_params"]
+    assert slot_names  # the expert stacks are slots
+    dense = [dict(r, meta={n: m for n, m in r["meta"].items() if n not in slot_names}) for r in results]
+    reference_output = reference(index, layout.data_parallel)
+    check_results(dense, reference_output, layout, label)
+    ref_grads = reference_output[2]
+    for rank, res in enumerate(results):
+        assert res["stats"].replicas == sum(1 for row in TABLES[layout.expert] for e in row if e >= 0) - E
+        held = sorted({e for e in TABLES[layout.expert][layout.coords(rank)["ep"]] if e >= 0})
+        assert [e for _, e in res["rows"]] == held  # one row per expert held: k vExperts, one copy
+        assert res["stack_bytes"] == len(held) * res["one_expert"], (rank, res["stack_bytes"])
+        # the gradient sum's traffic, from the slot table: expert e's k holders H cut its W
+        # elements into k chunks (the first W mod k one longer), chunk j summed by H[(e + j) mod k];
+        # a holder sends every other chunk's root its part and receives its own chunk's parts
+        # from the k - 1 others, then sends its summed chunk to them and receives theirs
+        table, q, width = TABLES[layout.expert], layout.coords(rank)["ep"], res["one_expert"] // 4
+        each_way = 0
+        for e in range(E):
+            holders = [p for p in range(layout.expert) if e in table[p]]
+            k = len(holders)
+            if k > 1 and q in holders:
+                own = sum(width // k + (j < width % k) for j in range(k) if holders[(e + j) % k] == q)
+                each_way += (width - own) + (k - 1) * own
+        sent, received, calls = res["grad_sum"]
+        assert (sent, received) == (each_way * 4,) * 2, (label, rank, res["grad_sum"], each_way)
+        assert calls == (2 if each_way else 0), (label, rank, calls)  # a non-holder posts nothing
+        for other in layout.group_of("ep", rank):  # the copies of an expert carry the same bits
+            for k, e in res["rows"]:
+                for k2, e2 in results[other]["rows"]:
+                    if e2 == e:
+                        for name in slot_names:
+                            assert torch.equal(res["grads"][name][k], results[other]["grads"][name][k2]), \
+                                (label, rank, other, name, e)
+        for name in slot_names:
+            slices = res["meta"][name][1]
+            edp = layout.group_of("edp", rank)
+            for k, e in res["rows"]:
+                synced = sum(results[q]["grads"][name][k] for q in edp) / layout.data_parallel
+                torch.testing.assert_close(synced, ref_grads[name][e][slices[1:]], **FP32,
+                                           msg=lambda m: f"{label} rank {rank} {name} row {k} (expert {e}): {m}")
 
 
 @pytest.mark.distributed

@@ -8,7 +8,9 @@ from SLURM); a node that dies mid-step ends the job within 90 s, named, with no 
 The full set (`cluster` marker; `make test-cluster` runs the whole module) adds: losses equal to
 the same job on one node; a `parallel.ranks_per_node` that contradicts the placement is one line;
 the inter-node byte counters of the topology gate and of hierarchical EPLB equal the simulator's
-analytic count on the run's own routing trace, and crossed the bridge; `scancel --signal=USR1`
+analytic count on the run's own routing trace, and crossed the bridge; with the node-deduplicated
+dispatch they equal the count from the routing trace and fall, as the bridge's bytes do, with
+`moe.router_group_topk`; `scancel --signal=USR1`
 saves on both nodes, requeues and resumes exactly; that checkpoint loads on one node in another
 layout; pipeline 2 with a stage per node trains exactly.
 """
@@ -259,6 +261,54 @@ def test_inter_node_bytes_equal_the_analytic_count(cluster, tmp_path, case):
             kinds |= set(expected)
     assert "all_to_all" in kinds and ("moe.balancer=eplb" not in TOPOLOGY_CASES[case] or "vexpert_move" in kinds), kinds
     assert crossed >= total > 0, (crossed, total)
+
+
+# DeepSeek-V3's node-limited routing paying off: the node-deduplicated dispatch (docs/node_dedup.md)
+# with 2 router groups of 4 experts, a group = one node's experts (owner-only placement, 2 per rank)
+NODE_DEDUP = ["moe.router_groups=2", "moe.token_dispatch=node_dedup", "training.train_iters=3",
+              "logging.routing_trace=true"]
+
+
+def node_dedup_inter_node_bytes(micro_counts, hidden: int, top_k: int) -> dict:
+    """Rank 0's inter-node bytes of one iteration of the node-deduplicated dispatch, expert 4 on
+    2 nodes x 2 ranks with every token's experts on one node (router_group_topk=1, dropless): from
+    the routing trace's counts [L, S, M, E] (source s = rank s, expert e on node e // 4). Per layer
+    and micro-batch, forward: rank 0's tokens for node 1 (hop 1, one row each) and, as node 0's
+    proxy of rank 2 (same local index), rank 2's tokens for node 0 (hop 1 back), with their
+    routing (codes int64 + weights fp32 per choice; back: the weights' gradients) and the rows
+    per proxy (int64 to ranks 2 and 3); backward: the token rows again."""
+    to_node = micro_counts.reshape(micro_counts.shape[:3] + (2, -1)).sum(-1) // top_k  # [L, S, M, node]
+    hop1, back = int(to_node[:, 0, :, 1].sum()), int(to_node[:, 2, :, 0].sum())
+    calls = micro_counts.shape[0] * micro_counts.shape[2]
+    return {"all_to_all": 2 * (hop1 + back) * hidden * 4,
+            "all_to_all_routing": top_k * (8 + 4) * hop1 + top_k * 4 * back, "all_to_all_counts": calls * 8 * 2}
+
+
+@cluster_only
+def test_node_dedup_inter_node_bytes_fall_with_router_group_topk(cluster, tmp_path):
+    """`moe.token_dispatch=node_dedup` across the bridge: with router_group_topk=1 rank 0's
+    `comm_bytes_inter_node` equals, every iteration and kind, the count from the run's routing
+    trace (`node_dedup_inter_node_bytes`); the counted all-to-all bytes and the bytes that crossed
+    the bridge fall from router_group_topk=2 (a token's experts may sit on both nodes) to 1."""
+    from megatron_moe.moe.routing_trace import load_routing_trace
+
+    crossed, counted = {}, {}
+    for topk in (2, 1):
+        run_dir = tmp_path / f"topk{topk}"
+        before = cluster.link_bytes(cluster.nodes[1])
+        code, log = run_job(cluster, tmp_path, f"node-dedup-{topk}", TWO_NODES + [SCRIPT] + RUN + EP4 + NODE_DEDUP + [
+            f"moe.router_group_topk={topk}", f"training.run_dir={run_dir}"])
+        assert code == 0, log
+        crossed[topk] = cluster.link_bytes(cluster.nodes[1]) - before
+        logged = records(run_dir)
+        counted[topk] = [r["comm_bytes_inter_node"]["all_to_all"] for r in logged]
+    trace = load_routing_trace(str(tmp_path / "topk1" / "routing"))
+    assert [int(i) for i in trace.iterations] == [r["iteration"] for r in logged] == [1, 2, 3]
+    for micro, record in zip(trace.micro_counts, logged):
+        assert record["comm_bytes_inter_node"] == node_dedup_inter_node_bytes(micro, 64, 2), record
+    print(f"node_dedup: rank 0's inter-node all-to-all bytes per iteration {counted}, bridge bytes {crossed}")
+    assert all(one < two for one, two in zip(counted[1], counted[2])), counted
+    assert crossed[1] < crossed[2], crossed
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,11 @@ def test_unknown_keys_and_wrong_types(overrides, needle):
     (["parallel.pipeline_schedule=gpipe"], 1, ["parallel.pipeline_schedule", "1f1b"]),
     (["optimizer.distributed=true", "moe.balancer=flexmoe"], 1, ["optimizer.distributed", "moe.balancer=flexmoe"]),
     (["moe.schedule=nope"], 1, ["moe.schedule", "baseline"]),
+    # node-deduplicated dispatch (techniques/node_dedup/node_dedup.py): the baseline's, not the smart schedule's
+    (["moe.token_dispatch=dedup"], 1, ["moe.token_dispatch='dedup'", "node_dedup", "per_copy"]),
+    (["moe.token_dispatch=node_dedup", "moe.schedule=s2"], 1, ["moe.token_dispatch=node_dedup", "moe.schedule=baseline"]),
+    (["moe.token_dispatch=node_dedup", "moe.smart_schedule=true"], 1, ["moe.token_dispatch=node_dedup",
+                                                                       "moe.smart_schedule=true"]),
     (["moe.top_k=5", "moe.num_experts=4"], 1, ["moe.top_k"]),
     (["model.normalization=batchnorm"], 1, ["model.normalization"]),
     # architecture section checks (model/attention.py, moe/router.py, moe/shared_expert.py)

@@ -121,3 +121,13 @@ def test_eplb_hierarchical_config():
         validate_config(load_config(None, ["moe.balancer=eplb", "moe.eplb.hierarchical=maybe"]), 1)
     for value in ("auto", "true", "false"):
         validate_config(load_config(None, ["moe.balancer=eplb", f"moe.eplb.hierarchical={value}"]), 1)
+    # the hierarchical plan packs whole router groups onto nodes: 3 groups cannot split over 2 nodes
+    # (4 EP ranks, 2 per node); known before start-up when parallel.ranks_per_node is set
+    grouped = ["moe.balancer=eplb", "moe.num_experts=12", "moe.router_group_topk=1", "parallel.expert=4",
+               "parallel.ranks_per_node=2", "training.global_batch_size=16"]
+    with pytest.raises(ConfigError, match=r"^moe.router_groups=3 does not divide evenly over the 2 nodes of the ep "
+                                          r"group \(2 EP ranks each\)"):
+        validate_config(load_config(None, grouped + ["moe.router_groups=3"]), 4)
+    for fine in (["moe.router_groups=3", "moe.eplb.hierarchical=false"], ["moe.router_groups=3", "parallel.ranks_per_node=4"],
+                 ["moe.router_groups=2"], ["moe.router_groups=6"]):
+        validate_config(load_config(None, grouped + fine), 4)

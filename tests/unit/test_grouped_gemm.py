@@ -100,3 +100,44 @@ def test_padding_pays_only_for_many_small_groups():
     assert not pays([32] * 8)  # 8 experts of 32 rows: few calls to save
     assert not pays([200, 1, 1, 1])  # padding 3 x 199 rows
     assert not pays([5])  # one group: nothing to batch
+
+
+def test_cpu_bf16_row_buckets_repeat_shapes_and_change_no_number(monkeypatch):
+    """CPU bf16 (oneDNN compiles a kernel per new shape): every kernel call sees group row counts
+    that are multiples of `_ROW_BUCKET`, and the results equal the unbucketed per-group products
+    (forward, dX, dW into the fp32 main gradient); fp32 is not bucketed."""
+    bucket = grouped_gemm._ROW_BUCKET
+    counts = [3, 0, 37, bucket, 1, 70]
+    groups = grouped_gemm.Groups(counts)
+    padded, positions = groups.bucketed()
+    assert padded.counts == [bucket, 0, 2 * bucket, bucket, bucket, 3 * bucket]
+    starts = [0, bucket, bucket, 3 * bucket, 4 * bucket, 5 * bucket]
+    assert positions.tolist() == [s + i for s, c in zip(starts, counts) for i in range(c)]
+    assert grouped_gemm.Groups([bucket, 0, 2 * bucket]).bucketed()[1] is None  # aligned already: no copy
+    assert not grouped_gemm._bucketed(torch.zeros(1, 1)) and grouped_gemm._bucketed(torch.zeros(1, 1, dtype=torch.bfloat16))
+
+    seen = []
+    native = grouped_gemm._native_mm
+
+    def spy(x, w, g):
+        seen.append(list(g.counts))
+        return native(x, w, g)
+
+    monkeypatch.setattr(grouped_gemm, "_native_mm", spy)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), 16, generator=gen).bfloat16().requires_grad_()
+    leaf = torch.nn.Parameter(torch.randn(len(counts), 16, 24, generator=gen).bfloat16())
+    leaf.main_grad = torch.zeros(leaf.shape)  # bf16 runs: dW goes into the fp32 main gradient
+    dy = torch.randn(sum(counts), 24, generator=gen).bfloat16()
+    y = grouped_mm_into_grad(x, leaf, 0.5, counts)
+    (y.float() * dy.float()).sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = _reference(ref_x, leaf.detach(), counts)
+    (ref.float() * dy.float()).sum().backward()
+    ref_dw = torch.stack([(rows.t().float() @ grads.float()) for rows, grads in zip(x.detach().split(counts), dy.split(counts))])
+    if seen:  # the native kernel ran (elsewhere the loop did, on the same bucketed counts)
+        assert all(c % bucket == 0 for call in seen for c in call), seen
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad.float(), ref_x.grad.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(leaf.main_grad, 0.5 * ref_dw, rtol=1e-2, atol=5e-2)
+    assert leaf.grad is None

@@ -19,7 +19,7 @@ from megatron_moe.convert.hf_common import INDEX
 from megatron_moe.convert.hf_families import family_of
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.distributed.parallel_state import ParallelState
-from tests.checkpoint_helpers import hf_tensors
+from tests.checkpoint_helpers import hf_tensors, random_hf_model
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -44,14 +44,7 @@ FAMILIES = {  # released shapes, scaled down
 
 def _hf_model(family, path):
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**SMALL, **extra)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
-    return model
+    return random_hf_model(config_cls, model_cls, dict(SMALL, **extra), path)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -259,6 +259,14 @@ def test_one_layer_times_by_hand(cluster_profile, tmp_path):
     assert bf16.layer_seconds(counts) == pytest.approx(counts_gather + 4 * (1e-3 + 1e-6 * 8 * 8 / 2) + 3 * flops)
 
 
+def test_node_deduplicated_dispatch_is_refused_in_one_line(cluster_profile, tmp_path):
+    """Its rows depend on which of a token's experts share a node, which no trace holds."""
+    with pytest.raises(ConfigError) as e:
+        Simulation(load_config(None, ["moe.token_dispatch=node_dedup"]), load_profile(cluster_profile), 2, str(tmp_path))
+    assert str(e.value).startswith("moe.token_dispatch=node_dedup: the simulator models per_copy only")
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("balancer,iterations", [("none", 20), ("fastermoe", 5), ("proprophet", 5), ("eplb", 11),
                                                   ("flexmoe", 11)])
 def test_scale_target_with_a_generous_bound(balancer, iterations, one_thread):

@@ -509,10 +509,11 @@ def test_ep_ranks_per_node_for_hierarchical_eplb():
 
 def test_eplb_hierarchical_modes():
     """`moe.eplb.hierarchical`: auto is global unless the gate is group-limited (`moe.router_groups`
-    > 1); true follows the nodes; false never."""
+    > 1); true follows the nodes; false never. Hierarchical plans pack the router's groups."""
     from types import SimpleNamespace
 
-    from megatron_moe.techniques.eplb.eplb import eplb_ranks_per_node
+    from megatron_moe.config import ConfigError
+    from megatron_moe.techniques.eplb.eplb import eplb_ranks_per_node, hierarchical_groups
 
     state = _State([0, 1, 2, 3], 2)  # two nodes of 2 EP ranks
 
@@ -523,3 +524,8 @@ def test_eplb_hierarchical_modes():
     assert eplb_ranks_per_node(cfg("auto", 2), state) == 2
     assert eplb_ranks_per_node(cfg("True"), state) == 2 and eplb_ranks_per_node(cfg("false", 2), state) is None
     assert eplb_ranks_per_node(cfg("true"), _State([0, 1, 2, 3], None)) is None  # one node: global
+    # the groups the plan packs onto nodes: the router's, when they split evenly over the nodes
+    assert hierarchical_groups(cfg("auto", 4), 4, 2) == 4 and hierarchical_groups(cfg("true"), 4, 2) == 1
+    assert hierarchical_groups(cfg("false", 3), 4, None) == 3  # the global plan ignores them
+    with pytest.raises(ConfigError, match="moe.router_groups=3 does not divide evenly over the 2 nodes"):
+        hierarchical_groups(cfg("auto", 3), 4, 2)

@@ -179,3 +179,19 @@ def slots_by_expert(ids: torch.Tensor) -> torch.Tensor:
     ids = ids.flatten()
     slots = torch.nonzero(ids >= 0).squeeze(1)
     return slots[torch.argsort(ids[slots], stable=True)]
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """Long[m] permutation -> its inverse (`x.index_select(0, perm).index_select(0, inverse) == x`)."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def gate_weighted_sum(rows: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """The gate-weighted combine: rows [m, h] aligned with `slots` (Long[m], token * k + choice)
+    and combine weights [n, k] -> [n, h], token t's row sum_c weights[t, c] * row of slot t * k + c
+    (fp32 when the weights are: bf16 rows are summed in fp32)."""
+    k = weights.shape[1]
+    weighted = rows * weights.flatten().index_select(0, slots).unsqueeze(1)
+    return weighted.new_zeros((n, rows.shape[1])).index_add(0, slots // k, weighted)

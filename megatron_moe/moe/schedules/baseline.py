@@ -10,10 +10,14 @@ Forward, on every rank (p, j) = (EP rank, ESP rank) with its TP-replicated micro
  3. Counts: kept assignments of G_p per expert, all-gathered over `ep` ("all_gather_counts") into
     counts [ep, E] -> balancer -> Placement (sources = `ep` ranks).
  4. EP-AlltoAll-v over `ep`: one row per kept assignment to the rank that computes it, splits from
-    the placement's routing table (A2A_EP(ETM x N_ESP)). No padding.
+    the placement's routing table (A2A_EP(ETM x N_ESP)). No padding. How the rows travel is the
+    token dispatch (`moe.token_dispatch`, registry `TOKEN_DISPATCH`): `per_copy` (here) sends
+    each copy straight to its rank; `node_dedup` (techniques/node_dedup/node_dedup.py, DeepSeek-V3
+    §3.2.2) sends a token once per node and forwards it inside the node (steps 4 and 7 in two hops).
  5. Experts: ESP shard j of each expert on all received rows -> partial sums.
  6. ESP-AllReduce over `esp` of the partial sums (AR_ESP(ETM x N_ESP)).
- 7. EP-AlltoAll back (A2A_EP(ETM x N_ESP)); gate-weighted combine of G_p's rows.
+ 7. EP-AlltoAll back (A2A_EP(ETM x N_ESP)); gate-weighted combine of G_p's rows (`per_copy`: at
+    the source; `node_dedup`: partly on each node's proxy).
  8. ESP-Split: keep this rank's own tokens (no communication).
 
 Backward (Megatron's conjugate pairs): ESP-Split -> all-gather of dy; ESP-AllReduce -> identity
@@ -29,16 +33,29 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_moe.config.registry import Registry
+from megatron_moe.config.validate import section_check
 from megatron_moe.distributed import collectives as C
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import EXCHANGES, Routed, Schedule, slots_by_expert
+from megatron_moe.moe.schedules.base import (EXCHANGES, Routed, Schedule, gate_weighted_sum, inverse_permutation,
+                                             slots_by_expert)
 from megatron_moe.tensor_parallel import reduce_from_tp_region
 
 ROUTING_KIND = "all_gather_routing"  # byte-counter labels of the metadata collectives
 COUNTS_KIND = "all_gather_counts"
+# moe.token_dispatch: how steps 4 and 7 move G_p's rows; `cls(schedule)` has
+#   dispatch(tokens [n_G, h], routed, placement) -> (ExpertBatch, ctx)
+#   combine(expert_output [m, h] (ESP-summed), ctx) -> y_gathered [n_G, h]
+# "per_copy" here, "node_dedup": techniques/node_dedup/node_dedup.py
+TOKEN_DISPATCH: Registry = Registry("moe.token_dispatch")
+
+
+@section_check("moe.token_dispatch")
+def _check_token_dispatch(cfg, world_size: int) -> None:
+    TOKEN_DISPATCH.get(cfg.moe.token_dispatch)
 
 
 @dataclass
@@ -47,6 +64,7 @@ class BaselineRouted(Routed):
     sizes: List[int]  # tokens of each ESP rank
     weights: torch.Tensor  # [n_G, k] combine weights of the gathered tokens
     slots: torch.Tensor  # Long[m] kept assignment slots (token * k + choice) of G_p, ordered by expert
+    ids: torch.Tensor  # Long[n_G * k] expert of every slot of G_p, -1 = dropped
 
 
 @dataclass
@@ -58,10 +76,45 @@ class _CombineContext:
     recv_order: Optional[torch.Tensor] = None  # received rows -> expert batch (set by dispatch)
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+@TOKEN_DISPATCH.register("per_copy")
+class PerCopy:
+    """One row per kept assignment, straight to the EP rank computing it, and back (steps 4, 7)."""
+
+    def __init__(self, schedule: "BaselineSchedule"):
+        self.schedule = schedule
+
+    def send_rows(self, tokens: torch.Tensor, routed: BaselineRouted,
+                  placement: Placement) -> Tuple[torch.Tensor, _CombineContext]:
+        """G_p's rows [n_G, h] -> its kept assignments' rows ordered by destination EP rank [m, h]."""
+        ep = self.schedule.state.ep
+        rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
+        send_order = torch.argsort(placement.destinations(ep.rank), stable=True).to(rows.device)
+        ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order)
+        return rows.index_select(0, send_order), ctx
+
+    def dispatch(self, tokens: torch.Tensor, routed: BaselineRouted,
+                 placement: Placement) -> Tuple[ExpertBatch, _CombineContext]:
+        s, ep = self.schedule, self.schedule.state.ep
+        send, ctx = self.send_rows(tokens, routed, placement)
+        received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,  # step 4
+                                           while_in_flight=s.hooks.in_flight(), backward_fill=s.backward_fill())
+        ctx.recv_order = placement.receive_order(ep.rank).to(send.device)
+        batch = ExpertBatch(received.index_select(0, ctx.recv_order), placement.experts_on(ep.rank),
+                            placement.expert_counts(ep.rank))
+        return batch, ctx
+
+    def combine(self, out: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
+        s = self.schedule
+        out = out.index_select(0, inverse_permutation(ctx.recv_order))  # as received: source-major
+        returned = C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, s.state.ep,
+                                           while_in_flight=s.hooks.combining(), backward_fill=s.backward_fill())
+        return self.finish(returned, ctx)  # step 7
+
+    def finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
+        """Rows as returned [m, h] -> gate-weighted combine of G_p's rows [n_G, h]."""
+        routed = ctx.routed
+        rows = returned.index_select(0, inverse_permutation(ctx.send_order))  # [m, h] aligned with routed.slots
+        return gate_weighted_sum(rows, routed.weights, routed.slots, routed.weights.shape[0])
 
 
 @SCHEDULES.register("baseline")
@@ -69,6 +122,7 @@ class BaselineSchedule(Schedule):
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
         self.expert_grad_scale = 1.0 / state.tp_size
+        self.token_dispatch = TOKEN_DISPATCH.get(cfg.moe.token_dispatch)(self)
 
     def source_ep_ranks(self) -> List[int]:
         return list(range(self.state.ep_size))  # after the ESP-AllGather, the sources are the ep ranks
@@ -83,53 +137,31 @@ class BaselineSchedule(Schedule):
         slots = slots_by_expert(ids)  # by expert; gathered order within an expert
         local_counts = torch.bincount(ids[slots], minlength=router.num_experts)  # [E]
         counts = C.all_gather(local_counts, self.state.ep, kind=COUNTS_KIND).view(-1, router.num_experts)  # [ep, E]
-        return BaselineRouted(routing, counts.cpu(), x, sizes, weights, slots)
+        return BaselineRouted(routing, counts.cpu(), x, sizes, weights, slots, ids)
 
-    def _send_rows(self, routed: BaselineRouted, placement: Placement) -> Tuple[torch.Tensor, _CombineContext]:
-        """Step 2 (ESP-AllGather) and the rows of G_p ordered by destination EP rank [m, h]."""
-        esp, ep = self.state.esp, self.state.ep
-        tokens = C.all_gather_v_autograd(routed.x, esp, routed.sizes)  # step 2: ESP-AllGather [n_G, h]
-        rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
-        send_order = torch.argsort(placement.destinations(ep.rank), stable=True).to(rows.device)
-        ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order)
-        return rows.index_select(0, send_order), ctx
+    def _gathered(self, routed: BaselineRouted) -> torch.Tensor:
+        """Step 2: ESP-AllGather of the tokens, G_p [n_G, h]."""
+        return C.all_gather_v_autograd(routed.x, self.state.esp, routed.sizes)
 
-    def dispatch(self, routed: BaselineRouted, placement: Placement) -> Tuple[ExpertBatch, _CombineContext]:
-        ep = self.state.ep
-        send, ctx = self._send_rows(routed, placement)
-        received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,
-                                           while_in_flight=self.hooks.in_flight(),
-                                           backward_fill=self.backward_fill())  # step 4
-        ctx.recv_order = placement.receive_order(ep.rank).to(send.device)
-        batch = ExpertBatch(received.index_select(0, ctx.recv_order), placement.experts_on(ep.rank),
-                            placement.expert_counts(ep.rank))
-        return batch, ctx
+    def dispatch(self, routed: BaselineRouted, placement: Placement):
+        batch, ctx = self.token_dispatch.dispatch(self._gathered(routed), routed, placement)  # step 4
+        return batch, (routed, ctx)
 
-    def combine(self, expert_output: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
+    def combine(self, expert_output: torch.Tensor, ctx) -> torch.Tensor:
+        routed, dispatched = ctx
         out = reduce_from_tp_region(expert_output, self.state.esp)  # step 6: ESP-AllReduce (Megatron g on esp)
-        out = out.index_select(0, _inverse(ctx.recv_order))  # as received: source-major
-        returned = C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, self.state.ep,
-                                           while_in_flight=self.hooks.combining(), backward_fill=self.backward_fill())
-        return self._finish(returned, ctx)  # step 7
-
-    def _finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
-        """Steps 7-8 after the return trip: gate-weighted combine of G_p's rows, ESP-Split [n, h]."""
-        routed = ctx.routed
-        rows = returned.index_select(0, _inverse(ctx.send_order))  # [m, h] aligned with routed.slots
-        k = routed.weights.shape[1]
-        gate = routed.weights.flatten().index_select(0, routed.slots)  # [m]
-        weighted = rows * gate.unsqueeze(1)
-        y_gathered = weighted.new_zeros((routed.weights.shape[0], weighted.shape[1]))
-        y_gathered = y_gathered.index_add(0, routed.slots // k, weighted)  # [n_G, h]
+        y_gathered = self.token_dispatch.combine(out, dispatched)  # step 7
         return C.split_v_autograd(y_gathered, self.state.esp, routed.sizes)  # step 8: ESP-Split [n, h]
 
     def smart_parts(self, routed: BaselineRouted, placement: Placement):
         """Pairwise steps over `ep`; each step's partial sums are ESP-AllReduced before going back."""
+        assert isinstance(self.token_dispatch, PerCopy), "the config check refuses the smart schedule otherwise"
         smart = EXCHANGES.get("smart")
-        send, ctx = self._send_rows(routed, placement)
+        send, ctx = self.token_dispatch.send_rows(self._gathered(routed), routed, placement)
         peers = smart.peer_group(self.cfg.moe.smart_group_size, self.state.esp_size, exchange_over_ep_esp=False)
         plan = smart.Plan(self.state.ep, ctx.send_splits, ctx.recv_splits, peers, placement, self.state.ep.rank)
         return send, ctx, plan, lambda out: reduce_from_tp_region(out, self.state.esp)
 
     def smart_finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
-        return self._finish(returned, ctx)
+        y_gathered = self.token_dispatch.finish(returned, ctx)  # step 7
+        return C.split_v_autograd(y_gathered, self.state.esp, ctx.routed.sizes)  # step 8

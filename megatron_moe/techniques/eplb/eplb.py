@@ -8,9 +8,11 @@ from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `mo
     load  = moving average of each expert's rows per iteration (`moe.eplb.ema`: weight of the
             newest window)
     plan  = replicate the heaviest experts (by load per replica) into the redundant slots, pack
-            the replicas onto ranks by balanced greedy packing; hierarchical (experts packed onto
-            nodes first) per `moe.eplb.hierarchical` (`eplb_ranks_per_node`): by default only
-            when the gate is group-limited, as in DeepSeek's EPLB
+            the replicas onto ranks by balanced greedy packing; hierarchical per
+            `moe.eplb.hierarchical` (`eplb_ranks_per_node`; by default only when the gate is
+            group-limited, as in DeepSeek's EPLB): the router's groups (`moe.router_groups`)
+            packed onto nodes first, so a token's experts sit in at most `router_group_topk`
+            nodes; without router groups, single experts
 
 EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
 new experts keep the slots they already had, so only the cells that change move. The FlexMoE
@@ -24,7 +26,9 @@ import numpy as np
 
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.techniques.eplb.eplb_plan import rebalance
-from megatron_moe.techniques.flexmoe.vexpert_base import SlotBalancer, check_options, ep_ranks_per_node
+from megatron_moe.distributed.parallel_state import RankLayout
+from megatron_moe.techniques.flexmoe.vexpert_base import (SlotBalancer, block_ranks_per_node, check_options,
+                                                          ep_ranks_per_node)
 from megatron_moe.config.validate import section_check
 
 
@@ -48,14 +52,34 @@ def group_limited(cfg) -> bool:
 def eplb_ranks_per_node(cfg, state) -> Optional[int]:
     """EP ranks per node for the hierarchical plan, or None for the global one. `moe.eplb.hierarchical`:
     auto = hierarchical only under group-limited routing (DeepSeek ties the two: its node-limited
-    gate keeps a token's experts in few nodes, the plan keeps each group's replicas in its node);
-    true = whenever the ``ep`` group spans nodes; false = never. One EP rank per node: no replica
-    could stay inside its node (the plan would refuse any redundant slot), so the plan is global."""
+    gate keeps a token's experts in few nodes, the plan keeps each group's experts and replicas in
+    one node); true = whenever the ``ep`` group spans nodes; false = never. One EP rank per node:
+    no replica could stay inside its node (the plan would refuse any redundant slot), so the plan
+    is global."""
+    return _planned_ranks_per_node(cfg, ep_ranks_per_node(state))
+
+
+def _planned_ranks_per_node(cfg, per_node: Optional[int]) -> Optional[int]:
+    """`eplb_ranks_per_node` given the ``ep`` group's EP ranks per node (`ep_ranks_per_node`)."""
     mode = str(cfg.moe.eplb.hierarchical).lower()
     if mode == "false" or (mode == "auto" and not group_limited(cfg)):
         return None
-    per_node = ep_ranks_per_node(state)
     return per_node if per_node is not None and per_node > 1 else None
+
+
+def hierarchical_groups(cfg, ep_size: int, per_node: Optional[int]) -> int:
+    """The expert groups the hierarchical plan packs onto nodes (`rebalance`'s `groups`): the
+    router's `moe.router_groups` (1: single experts). `per_node`: `eplb_ranks_per_node` (None: the
+    global plan, which ignores groups). ConfigError when the groups do not divide evenly over the
+    ``ep`` group's nodes: a group split over two nodes is what the plan exists to prevent."""
+    from megatron_moe.config.errors import ConfigError
+
+    groups = cfg.moe.router_groups
+    if per_node is not None and groups > 1 and groups % (ep_size // per_node):
+        raise ConfigError(f"moe.router_groups={groups} does not divide evenly over the {ep_size // per_node} nodes "
+                          f"of the ep group ({per_node} EP ranks each): hierarchical EPLB packs whole router groups "
+                          "onto nodes (moe.eplb.hierarchical=false plans globally)")
+    return groups
 
 
 def check_eplb_config(cfg) -> None:
@@ -89,13 +113,14 @@ class EPLB(SlotBalancer):
         super().__init__(cfg, state, eplb_slots_per_rank(cfg, state.ep_size), eplb.interval)
         self.ema_weight = eplb.ema
         self.ranks_per_node = eplb_ranks_per_node(cfg, state)
+        self.groups = hierarchical_groups(cfg, state.ep_size, self.ranks_per_node)
         self.average: Optional[np.ndarray] = None  # [E] moving average of rows per iteration
 
     def propose(self, load: np.ndarray):
         loads = load.sum(0)
         self.average = loads if self.average is None else \
             self.ema_weight * loads + (1 - self.ema_weight) * self.average
-        plan, _ = rebalance(self.average, self.ep_size, self.slots_per_rank, self.ranks_per_node)
+        plan, _ = rebalance(self.average, self.ep_size, self.slots_per_rank, self.ranks_per_node, self.groups)
         old = self.table.slots
         new = keep_in_place(old, plan)
         # a changed slot is one move (its new expert copied from another rank; the old one is
@@ -126,3 +151,9 @@ def _check_eplb(cfg, world_size: int) -> None:
                     and (moe.num_experts + redundant) // ep <= moe.num_experts,
                     f">= 0 with moe.num_experts + it divisible by parallel.expert={ep} and at most "
                     f"moe.num_experts slots per rank (or null = {ep if ep > 1 else 0})")])
+    par = cfg.parallel  # the router groups over the nodes, when the nodes are known before start-up
+    if par.ranks_per_node and world_size % (par.tensor * par.pipeline) == 0 and world_size % par.ranks_per_node == 0 \
+            and (world_size // par.pipeline) % (ep * par.expert_shard) == 0:
+        layout = RankLayout(world_size, par.tensor, par.pipeline, ep, par.expert_shard, par.ranks_per_node)
+        for ranks in layout.groups("ep"):
+            hierarchical_groups(cfg, ep, _planned_ranks_per_node(cfg, block_ranks_per_node(ranks, par.ranks_per_node)))

@@ -7,15 +7,20 @@ strategy of DeepSeek-V3 (arXiv:2412.19437 §3.4). Written from scratch after rea
                        the highest load per replica
     balanced_packing   heaviest item first, into the lightest pack that still has room
     rebalance          flat: replicate over all slots, pack the replicas onto ranks;
-                       hierarchical (`ranks_per_node`): pack experts onto nodes, then plan each
-                       node flat over its own ranks, so an expert's replicas stay in one node
+                       hierarchical (`ranks_per_node`, DeepSeek's `rebalance_experts_hierarchical`):
+                       pack the router's expert groups onto nodes (step 1), then plan each node
+                       flat over its own ranks (steps 2-3: replicate within the node, pack the
+                       replicas onto its ranks), so a group's experts and every replica of them
+                       stay in one node
 
 Differences from DeepSeek's code, all deliberate:
   * two replicas of one expert never share a rank (DeepSeek's packing allows it, which only adds a
     second copy of the same weights): replica counts are capped at the number of ranks, packing
     skips packs that already hold the item's expert, and a swap repairs the rare dead end;
-  * the hierarchical plan packs single experts onto nodes (DeepSeek packs the expert groups of its
-    group-limited routing; with group size 1 the two agree);
+  * without router groups (`groups` = 1) the hierarchical plan packs single experts onto nodes,
+    as DeepSeek's does when given E groups of one expert (given one group, its entry point plans
+    globally); router groups that do not divide evenly over the nodes are refused (DeepSeek's
+    entry point falls back to the global plan);
   * one layer at a time, and the plan is returned as `slot_to_expert` [ranks, slots_per_rank]
     (slots of a rank sorted by expert id) with the replica count of every expert.
 """
@@ -128,13 +133,16 @@ def _rebalance_flat(load: np.ndarray, num_ranks: int, slots_per_rank: int) -> Tu
 
 
 def rebalance(load: np.ndarray, num_ranks: int, slots_per_rank: int,
-              ranks_per_node: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+              ranks_per_node: Optional[int] = None, groups: int = 1) -> Tuple[np.ndarray, np.ndarray]:
     """load [E] -> (slot_to_expert Int[num_ranks, slots_per_rank], replica_count Int[E]).
 
     Flat: replicate over all num_ranks * slots_per_rank slots (at most one replica per rank), then
     pack the replicas (weight load[e] / replica_count[e]) onto ranks. Hierarchical when
-    `ranks_per_node` is given: pack the experts onto nodes by load (E / nodes each), then plan each
-    node flat over its ranks; every replica of an expert lives in the expert's node."""
+    `ranks_per_node` is given: pack the `groups` contiguous expert groups of group-limited routing
+    (`moe.router_groups`; E / groups experts each) onto nodes by their summed load, groups / nodes
+    per node (`groups` = 1: the single experts, E / nodes per node), then plan each node flat over
+    its ranks; every expert of a group, and every replica of it, lives in the group's node.
+    `groups` is ignored by the flat plan."""
     load = _check_load(load)
     num_experts = load.size
     if num_ranks < 1 or slots_per_rank < 1:
@@ -148,7 +156,7 @@ def rebalance(load: np.ndarray, num_ranks: int, slots_per_rank: int,
     if num_experts % nodes:
         raise ValueError(f"{num_experts} experts are not divisible by {nodes} nodes")
     _check_shape(num_experts // nodes, ranks_per_node, slots_per_rank, " per node")
-    node_of = balanced_packing(load, nodes, num_experts // nodes)
+    node_of = _nodes_of_experts(load, nodes, groups)
     slot_to_expert = np.empty((num_ranks, slots_per_rank), dtype=np.int64)
     counts = np.empty(num_experts, dtype=np.int64)
     for node in range(nodes):
@@ -156,6 +164,21 @@ def rebalance(load: np.ndarray, num_ranks: int, slots_per_rank: int,
         local, counts[experts] = _rebalance_flat(load[experts], ranks_per_node, slots_per_rank)
         slot_to_expert[node * ranks_per_node:(node + 1) * ranks_per_node] = experts[local]
     return slot_to_expert, counts
+
+
+def _nodes_of_experts(load: np.ndarray, nodes: int, groups: int) -> np.ndarray:
+    """Int[E]: the node of each expert. DeepSeek's step 1: the `groups` contiguous groups, weighed
+    by their summed load, packed onto `nodes` nodes (groups / nodes each) by `balanced_packing`;
+    groups = 1 packs the single experts instead."""
+    num_experts = load.size
+    if groups == 1:
+        return balanced_packing(load, nodes, num_experts // nodes)
+    if groups < 1 or num_experts % groups:
+        raise ValueError(f"{groups} router groups do not divide {num_experts} experts")
+    if groups % nodes:
+        raise ValueError(f"{groups} router groups do not divide evenly over {nodes} nodes")
+    group_node = balanced_packing(load.reshape(groups, -1).sum(axis=1), nodes, groups // nodes)
+    return np.repeat(group_node, num_experts // groups)
 
 
 def rank_loads(load: np.ndarray, slot_to_expert: np.ndarray, replica_count: np.ndarray) -> np.ndarray:

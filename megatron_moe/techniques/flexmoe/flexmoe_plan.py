@@ -225,17 +225,17 @@ class StepCosts:
         self.n = vexpert_counts(slots, counts.shape[1])  # [G, E]
         self.columns = self._column(np.arange(counts.shape[1]), self.n)  # [G, E]
         self.times = self.columns.sum(1)  # [G]
+        self.max_time = float(self.times.max())  # Eq. 5
 
     def _column(self, experts, n: np.ndarray) -> np.ndarray:
         """n [G, k] vExpert counts of `experts` -> [G, k] their part of each GPU's Eq. 5 time."""
         c = self.cost
-        cap = self.tokens[experts] / n.sum(0)  # cap_e
-        capacity = n * cap  # [G, k] tokens computed (Alg. 3 fills every vExpert to cap_e)
-        received = capacity - np.minimum(capacity, self.counts[:, experts])  # remote part
+        capacity = n * (self.tokens[experts] / n.sum(0))  # [G, k] tokens computed (Alg. 3 fills every vExpert to cap_e)
+        received = np.maximum(capacity - self.counts[:, experts], 0.0)  # remote part
         held = n > 0
         k = held.sum(0)
-        sync = 2 * (k - 1) / k * c.params_per_expert * c.seconds_per_param_sent  # Eq. 9, ring
-        return capacity * c.seconds_per_token + 4 * received * c.seconds_per_token_sent + held * sync
+        sync = (2 * c.params_per_expert * c.seconds_per_param_sent) * (k - 1) / k  # Eq. 9, ring
+        return capacity * c.seconds_per_token + received * (4 * c.seconds_per_token_sent) + held * sync
 
     def times_after(self, delta: Dict[int, np.ndarray]) -> np.ndarray:
         """delta {expert: Int[G] change of n_{e,.}} -> Float[G] Eq. 5 per GPU after it."""

@@ -47,10 +47,10 @@ DESTINATIONS = 8  # least-loaded GPUs tried as the new vExpert's home per e0
 def _evaluate(steps: StepCosts, slots: np.ndarray, straggler: int, ops: List[Op]) -> float:
     """t1 + amortised transfer of `ops` (module docstring), inf if a GPU ends above the old max."""
     after = steps.times_after(_delta(ops, slots, slots.shape[0]))
-    changed = ~np.isclose(after, steps.times, rtol=1e-12, atol=0.0)
-    changed[straggler] = True
-    if after.max() > steps.times.max() * (1 + 1e-12):
+    if after.max() > steps.max_time * (1 + 1e-12):
         return np.inf
+    changed = np.abs(after - steps.times) > 1e-12 * np.abs(steps.times)  # np.isclose(rtol=1e-12, atol=0), inverted
+    changed[straggler] = True
     return float(after[changed].max()) + steps.cost.adjust_time(ops) / steps.cost.amortize_steps
 
 

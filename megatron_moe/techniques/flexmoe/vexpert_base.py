@@ -17,7 +17,7 @@ Per layer, every iteration:
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -145,12 +145,19 @@ def ep_ranks_per_node(state) -> Optional[int]:
     """EP ranks per node when the ``ep`` group's nodes (`parallel.ranks_per_node`) are equal
     blocks of consecutive EP ranks; None when it sits on one node or is spread otherwise."""
     group = state.ep
-    nodes = [group.global_rank(q) // group.ranks_per_node for q in range(group.size)] if group.ranks_per_node else []
+    return block_ranks_per_node([group.global_rank(q) for q in range(group.size)], group.ranks_per_node)
+
+
+def block_ranks_per_node(ranks: Sequence[int], ranks_per_node: Optional[int]) -> Optional[int]:
+    """`ep_ranks_per_node` of a group given as its global ranks in group order, on nodes of
+    `ranks_per_node` consecutive global ranks (None: one node)."""
+    nodes = [rank // ranks_per_node for rank in ranks] if ranks_per_node else []
     if len(set(nodes)) <= 1:
         return None
-    per_node = group.size // len(set(nodes))
-    if group.size % len(set(nodes)) or nodes != sorted(nodes) or any(
-            nodes[q] != nodes[q - q % per_node] for q in range(group.size)):
+    size = len(ranks)
+    per_node = size // len(set(nodes))
+    if size % len(set(nodes)) or nodes != sorted(nodes) or any(
+            nodes[q] != nodes[q - q % per_node] for q in range(size)):
         return None
     return per_node
 

@@ -71,7 +71,7 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
+from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, gate_weighted_sum, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.hardware import PARM_OPS, configured_profile
 from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
@@ -317,9 +317,7 @@ class ParmSchedule(Schedule):
 
     def _finish(self, rows: torch.Tensor, routed: ParmRouted) -> torch.Tensor:
         """Rows [m, h] aligned with `routed.slots` -> gate-weighted combine (+ S1's MP-AllGather) [n, h]."""
-        k = routed.weights.shape[1]
-        weighted = rows * routed.weights.flatten().index_select(0, routed.slots).unsqueeze(1)
-        y = weighted.new_zeros((routed.tokens.shape[0], weighted.shape[1])).index_add(0, routed.slots // k, weighted)
+        y = gate_weighted_sum(rows, routed.weights, routed.slots, routed.tokens.shape[0])
         if routed.choice == "s1":  # MP-AllGather of the own tokens' outputs
             y = C.all_gather_v_autograd(y, self.state.tp, routed.token_sizes, backward="split")
         return y  # [n, h]
