@@ -9,7 +9,8 @@ size 1. Byte counts use Parm's notation for a collective's message size x (Parm 
     all_to_all      x = bytes of this rank's input (all splits, including the one it keeps)
     broadcast       the root: bytes of the tensor x (size - 1) receivers; the others 0
     reduce          every rank but the root: bytes of its tensor; the root 0
-    p2p_exchange    bytes of the tensors it sends (pipeline stages: kind `pipeline`)
+    p2p_exchange    bytes of the tensors it sends (pipeline stages: kind `pipeline`); the bytes
+                    it receives go to `COMM_STATS.received` under the same key
 
 Time is recorded twice per op: *total* (the op's span) and *exposed* (the time the caller was
 blocked by it). A synchronous op's exposed time is its total. An asynchronous op
@@ -342,7 +343,8 @@ def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, k
                  sink: Optional[TimeSink] = None, side: bool = False) -> Pending:
     """Post point-to-point sends `(group rank, tensor)` and receives `(group rank, buffer)` together
     (batch_isend_irecv, as NCCL needs) and return one handle to wait on. Counts the bytes sent as
-    `kind`. Empty tensors are skipped (both sides know the sizes); never pass this rank itself.
+    `kind` (the bytes received in `COMM_STATS.received`; both when posted). Empty tensors are
+    skipped (both sides know the sizes); never pass this rank itself.
     Messages between two ranks match in posting order (and by tag where the backend uses tags: an
     entry may carry its own, `(group rank, tensor, tag)`; `tag` is the default). `side`: on the
     group's side channel (`Group.side_handle`) where it has one, so that the messages can stay in
@@ -359,6 +361,7 @@ def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, k
     if not ops:
         return Pending.completed()
     device = (list(sends) + list(recvs))[0][1].device
+    COMM_STATS.record_received(kind, group, sum(_nbytes(item[1]) for item in recvs))
     return _issue(kind, group, sum(_nbytes(item[1]) for item in sends), lambda: dist.batch_isend_irecv(ops), device,
                   keep=ops,
                   inter_node=_off_node_bytes(group, [(item[0], _nbytes(item[1])) for item in sends]), sink=sink)

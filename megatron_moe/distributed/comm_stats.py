@@ -20,6 +20,7 @@ class CommStats:
     def __init__(self):
         self.bytes: Dict[str, int] = defaultdict(int)
         self.inter_node: Dict[str, int] = defaultdict(int)  # bytes to ranks on other nodes (all-to-all, p2p)
+        self.received: Dict[str, int] = defaultdict(int)  # bytes received by point-to-point ops (`p2p_exchange`)
         self.seconds: Dict[str, Duration] = defaultdict(Duration)  # total span
         self.exposed: Dict[str, Duration] = defaultdict(Duration)  # time the caller was blocked
         self.calls: Dict[str, int] = defaultdict(int)
@@ -39,6 +40,10 @@ class CommStats:
         if inter_node:
             self.inter_node[key] += int(inter_node)
 
+    def record_received(self, kind: str, group: Group, nbytes: int) -> None:
+        """Bytes a point-to-point op receives (its sends are `record_bytes`)."""
+        self.received[f"{kind}/{group.name}"] += int(nbytes)
+
     def record_time(self, kind: str, group: Group, total: Duration, exposed: Duration) -> None:
         key = f"{kind}/{group.name}"
         self.seconds[key] = self.seconds[key] + total
@@ -47,7 +52,8 @@ class CommStats:
         entry[0], entry[1] = entry[0] + exposed, entry[1] + total
 
     def reset(self) -> None:
-        for counter in (self.bytes, self.inter_node, self.seconds, self.exposed, self.calls, self.by_phase):
+        for counter in (self.bytes, self.inter_node, self.received, self.seconds, self.exposed, self.calls,
+                        self.by_phase):
             counter.clear()
 
     def snapshot(self) -> Dict[str, int]:

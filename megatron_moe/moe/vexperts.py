@@ -19,9 +19,10 @@ over its vExperts, so a rank holding k vExperts of e computes k shares of e's to
 * Compute: `Placement.on_slots` routes every expert's rows to its holders; a rank runs its
   stacks as they are (all rows, in order).
 * Gradients (`sync_replica_grads`, before the data-parallel all-reduce): the ranks holding an
-  expert sum their rows' gradients (an all-reduce over ``ep`` of the experts held on several
-  ranks, kind "vexpert_grad") and every holder takes the sum: the gradient of one copy that
-  computed all the expert's rows. Each copy then takes the same AdamW step, so the copies stay
+  expert sum their rows' gradients among themselves (point to point: a reduce-scatter, each
+  holder summing one chunk in rank order, then an all-gather of the sums; kind "vexpert_grad";
+  FlexMoE Eq. 9 prices it so) and every holder takes the sum: the gradient of one copy that
+  computed all the expert's rows. Ranks that do not hold an expert take no part in it. Each copy then takes the same AdamW step, so the copies stay
   identical. The global grad norm counts every expert once (`canonical_rows`).
 * Moves: `moe/vexpert_moves.py` (after the optimizer step; synchronous, or best-effort: in flight
   until the layer's next forward).
@@ -31,7 +32,8 @@ over its vExperts, so a rank holding k vExperts of e computes k shares of e's to
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from megatron_moe.distributed.parallel_state import Group
 from megatron_moe.model.precision import grad_buffer
 
 GRAD_KIND = "vexpert_grad"
+GRAD_TAGS = (3, 4)  # point-to-point tags of the gradient sum's two rounds (vexpert_moves.MOVE_TAG is 2)
 
 
 def resident_rows(slots: np.ndarray, q: int) -> List[int]:
@@ -116,30 +119,107 @@ def expert_rows(table: SlotTable) -> List[Tuple[int, int]]:
 
 
 # -- gradients ------------------------------------------------------------------------------------
+def grad_sum_plan(slots: np.ndarray, num_experts: int) -> List[Tuple[int, List[int]]]:
+    """[(expert, holders ascending)] of every expert several EP ranks hold in `slots` [ep, V],
+    ascending by expert."""
+    held = holders(slots, num_experts)
+    return [(e, np.flatnonzero(held[:, e]).tolist()) for e in np.flatnonzero(held.sum(0) > 1).tolist()]
+
+
+def grad_chunks(expert: int, ranks: Sequence[int], width: int) -> List[Tuple[int, int, int]]:
+    """[(start, stop, root)]: an expert's gradient of `width` elements cut into one chunk per
+    holder (`ranks`, ascending; the first width mod k chunks one element longer), chunk j summed
+    by holder (expert + j) mod k, so every holder sums one chunk (a reduce-scatter and all-gather
+    among the holders) and the longer chunks fall on different ranks for different experts."""
+    k = len(ranks)
+    sizes = [width // k + (j < width % k) for j in range(k)]
+    starts = np.cumsum([0] + sizes).tolist()
+    return [(starts[j], starts[j + 1], ranks[(expert + j) % k]) for j in range(k)]
+
+
+def grad_sum_traffic(slots: np.ndarray, num_experts: int, width: int) -> np.ndarray:
+    """Float[ep, ep]: elements EP rank i sends rank j in round 1 of `sync_replica_grads`, one
+    expert's gradient being `width` elements: every holder sends each chunk's root its part of
+    that chunk. Round 2 (each root sends every other holder its summed chunk) is its transpose."""
+    P = np.zeros((slots.shape[0],) * 2)
+    for e, ranks in grad_sum_plan(slots, num_experts):
+        for start, stop, root in grad_chunks(e, ranks, width):
+            P[[q for q in ranks if q != root], root] += stop - start
+    return P
+
+
 @torch.no_grad()
 def sync_replica_grads(params: Sequence[torch.nn.Parameter], table: SlotTable, group: Group) -> None:
     """Every rank holding an expert that several ranks hold gets the sum of their gradients of it
     (all ranks of `group` = ``ep`` call this with the same table). One row per expert and rank:
-    a rank's several vExperts of an expert already share one gradient."""
-    shared = np.flatnonzero(table.holders().sum(0) > 1).tolist()
-    if not shared:
+    a rank's several vExperts of an expert already share one gradient.
+
+    Among the expert's k holders only, as FlexMoE's Eq. 9 prices a replica's gradient
+    synchronization (an all-reduce among its holders, charged to them): the gradient row is cut
+    into k chunks, each with a root holder (`grad_chunks`). Round 1: every holder sends each
+    chunk's root its part of the chunk; the root adds the holders' parts in ascending rank order.
+    Round 2: the root sends every other holder the summed chunk. Every holder ends with the same
+    bits (the copies take the same AdamW step and stay identical), having sent and received
+    2 (k - 1) / k of one expert's gradient: a ring all-reduce's volume, Eq. 9's. A rank's messages
+    to one peer in a round are one tensor (experts ascending, then chunks). Point to point through
+    `collectives.p2p_exchange` (kind "vexpert_grad", tags `GRAD_TAGS`); a rank that holds no
+    replicated expert sends and receives nothing."""
+    me = group.rank
+    mine = [(e, ranks) for e, ranks in grad_sum_plan(table.slots, table.num_experts) if me in ranks]
+    if not mine or group.size == 1:
         return
-    rows = {e: k for k, e in expert_rows(table)}
+    local = {e: k for k, e in expert_rows(table)}
     grads = [grad_buffer(p) for p in params]  # fp32 main_grad in bf16 runs (model/precision.py)
     width = sum(math.prod(g.shape[1:]) for g in grads)
-    buffer = grads[0].new_zeros(len(shared), width)  # [X, all parameters of one expert]
-    for i, e in enumerate(shared):
-        if e in rows:
-            buffer[i] = torch.cat([g[rows[e]].reshape(-1) for g in grads])
-    if group.size > 1:
-        C.all_reduce(buffer, group, kind=GRAD_KIND)
-    for i, e in enumerate(shared):
-        if e in rows:
-            offset = 0
-            for g in grads:
-                n = g[rows[e]].numel()
-                g[rows[e]].copy_(buffer[i, offset: offset + n].view_as(g[rows[e]]))
-                offset += n
+    rows = {e: torch.cat([g[local[e]].reshape(-1) for g in grads]) for e, _ in mine}
+    out: Dict[int, List[torch.Tensor]] = defaultdict(list)  # peer -> pieces this rank sends it (round 1)
+    parts: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # peer -> (expert, start, stop) it sends here
+    owned = []  # (expert, start, stop, holders) of the chunks this rank sums
+    for e, ranks in mine:
+        for start, stop, root in grad_chunks(e, ranks, width):
+            if root != me:
+                out[root].append(rows[e][start:stop])
+                continue
+            owned.append((e, start, stop, ranks))
+            for q in ranks:
+                if q != me:
+                    parts[q].append((e, start, stop))
+    sends = [(r, torch.cat(pieces)) for r, pieces in sorted(out.items())]
+    recvs = [(q, grads[0].new_empty(sum(b - a for _, a, b in ps))) for q, ps in sorted(parts.items())]
+    C.p2p_exchange(sends, recvs, group, kind=GRAD_KIND, tag=GRAD_TAGS[0]).wait()
+    got = {}  # (peer, expert, start, stop) -> its part
+    for q, buf in recvs:
+        offset = 0
+        for e, a, b in parts[q]:
+            got[(q, e, a, b)] = buf[offset: offset + b - a]
+            offset += b - a
+    summed = {}
+    for e, a, b, ranks in owned:
+        total = None
+        for q in ranks:  # fixed order: ascending holder rank
+            part = rows[e][a:b] if q == me else got[(q, e, a, b)]
+            total = part.clone() if total is None else total.add_(part)
+        summed[(e, a, b)] = total
+    sends = [(q, torch.cat([summed[(e, a, b)] for e, a, b in ps])) for q, ps in sorted(parts.items())]
+    expect: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # root -> chunks it sends here
+    for e, ranks in mine:
+        for start, stop, root in grad_chunks(e, ranks, width):
+            if root != me:
+                expect[root].append((e, start, stop))
+    recvs = [(r, grads[0].new_empty(sum(b - a for _, a, b in cs))) for r, cs in sorted(expect.items())]
+    C.p2p_exchange(sends, recvs, group, kind=GRAD_KIND, tag=GRAD_TAGS[1]).wait()
+    for r, buf in recvs:
+        offset = 0
+        for e, a, b in expect[r]:
+            summed[(e, a, b)] = buf[offset: offset + b - a]
+            offset += b - a
+    for e, ranks in mine:
+        row = torch.cat([summed[(e, a, b)] for a, b, _ in grad_chunks(e, ranks, width)])
+        offset = 0
+        for g in grads:
+            n = g[local[e]].numel()
+            g[local[e]].copy_(row[offset: offset + n].view_as(g[local[e]]))
+            offset += n
 
 
 # -- routing --------------------------------------------------------------------------------------

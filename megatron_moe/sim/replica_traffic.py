@@ -9,20 +9,24 @@ weights' width (`Widths.weight`: 2 in bf16 runs, else 4), gradients are fp32 mai
            the owner sends Q x w bytes to each replica.
     Agg    the adjoint: a reduce to the owner (every other rank counts Q x 4), or each replica
            sends Q x 4 bytes to the owner ("agg/ep").
-    vExpert gradients: one all-reduce on ep of every expert held by more than one EP rank
-           ("vexpert_grad/ep", X x Q x 4 bytes per rank), once per iteration.
+    vExpert gradients: among each expert's k holders (FlexMoE Eq. 9), two rounds of point-to-point
+           messages on ep (`vexperts.grad_sum_traffic`): each holder sends each chunk's root its
+           part (about Q / k x 4 bytes), then each root sends the other holders its summed chunk
+           ("vexpert_grad/ep"), once per iteration: 2 (k - 1) / k x Q x 4 bytes per holder. A
+           rank holding no replicated expert sends nothing and spends nothing.
     vExpert moves: `vexpert_moves.plan_transfers` (the transfers `MovesInFlight` posts) between the
            old and new slots; each transfer's source sends Q (x 3 with AdamW's two moments) x 4
            bytes ("vexpert_move/ep").
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List
 
 import numpy as np
 
 from megatron_moe.moe.vexpert_moves import plan_transfers
-from megatron_moe.moe.vexperts import holders
+from megatron_moe.moe.vexperts import grad_sum_traffic
 from megatron_moe.sim.ops import Op, OpBuilder, Traffic, profile_elements
 
 
@@ -79,11 +83,22 @@ def replica_ops(b: OpBuilder, placements: list, params: int, tensors: int, handl
 
 
 def vexpert_grad_op(b: OpBuilder, slots: np.ndarray, num_experts: int, params: int) -> List[Op]:
-    """`sync_replica_grads`: one all-reduce over ep of the experts held by more than one EP rank."""
-    shared = int((holders(slots, num_experts).sum(0) > 1).sum())
-    if not shared or b.world.layout.expert == 1:
+    """`sync_replica_grads`: round 1 (holders -> each chunk's root) and round 2 (roots -> holders)
+    of every expert held by more than one EP rank, `params` fp32 elements per expert. Each
+    round is a batch of point-to-point messages priced per rank (`Cluster.exchange` "p2p": the
+    larger of what it sends and receives): a holder pays for its own messages, a rank with none
+    pays nothing and waits for no one (not modelled: a root waiting for a later holder; the next
+    collective on the group absorbs that skew)."""
+    ep = b.world.layout.expert
+    if ep == 1:
         return []
-    return [b.collective("vexpert_grad", "vexpert_grad", "ep", shared * params, 4, "all_reduce")]
+    P = grad_sum_traffic(slots, num_experts, params)
+    if not P.any():
+        return []
+    groups = b.members("ep").shape[0]
+    return [replace(b.exchange("vexpert_grad", "vexpert_grad", "ep", np.broadcast_to(m, (groups, ep, ep)), 4,
+                               counts_own=False, cost_kind="p2p"), group="")  # per rank: no ep-wide wait
+            for m in (P, P.T)]
 
 
 def vexpert_move_op(b: OpBuilder, old: np.ndarray, new: np.ndarray, width: int, element_bytes: int,

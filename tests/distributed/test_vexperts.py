@@ -6,7 +6,11 @@ single-process reference.
    layer's output, aux loss, input gradient and (after `before_grad_sync`, the holders of an
    expert summing their gradients) every stored row's gradient equal the reference of the expert
    it holds. A rank stores one row per expert it holds (FlexMoE §3.1): the byte count of its
-   stacks is its distinct experts x one expert's bytes, however many vExperts of one it has.
+   stacks is its distinct experts x one expert's bytes, however many vExperts of one it has. The
+   gradient sum runs among each shared expert's holders only: every holder ends with the same bits,
+   and each rank sends and receives exactly the bytes of the slot table (per shared expert it
+   holds, k holders: the k - 1 chunks it does not sum, and k - 1 copies of the one it sums);
+   a rank holding no shared expert sends and receives nothing.
 2. Moves carry AdamW state exactly, in flight: after two identical optimizer steps a round of
    moves to a table that needs Expand, Migrate (a cell's expert leaving it while another comes
    in) and Shrink is issued (on ``ep``'s side channel, as best-effort training builds it), every
@@ -32,7 +36,7 @@ from tests.distributed.test_moe_parm import TESTBED_B
 LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (4, dict(tensor=2, expert=2, expert_shard=2))]
 TABLES = {  # slots per EP rank (E = 4); -1 = free
     2: [[0, 1, 3], [2, 3, 3]],  # expert 3 on both ranks, twice on rank 1 (one stored row)
-    4: [[0, 2], [1, 0], [2, -1], [3, 0]],  # expert 0 on 3 ranks, 2 on 2
+    4: [[0, 1], [1, 0], [2, 1], [3, -1]],  # expert 1 on 3 ranks, 0 on 2; rank 3 holds no shared one
 }
 MOVES = {  # table after the initial (owners') one
     2: [[0, 3, 2], [2, 3, 1]],  # 3 and 2 to rank 0, 1 to rank 1: expert 1 migrates
@@ -77,12 +81,16 @@ def layer_run(sub: ParallelState, run, token_dispatch: str = "per_copy"):
     x = xs[d].clone().to(device()).requires_grad_(True)
     y, aux = layer(x)
     ((y * gs[d].to(device())).sum() + aux).backward()
+    key = "vexpert_grad/ep"
+    before = (C.COMM_STATS.bytes.get(key, 0), C.COMM_STATS.received.get(key, 0), C.COMM_STATS.calls.get(key, 0))
     layer.balancer.before_grad_sync()  # what the trainer does before the data-parallel all-reduce
+    after = (C.COMM_STATS.bytes.get(key, 0), C.COMM_STATS.received.get(key, 0), C.COMM_STATS.calls.get(key, 0))
+    grad_sum = [b - a for a, b in zip(before, after)]  # (sent, received, calls)
     params = {n: p for n, p in layer.named_parameters() if p.requires_grad}  # not the expert bias
     one_expert = sum(full[n][0][p.meta.local_slices(sub)[1:]].numel() * 4 for n, p in params.items()
                      if hasattr(p, "vexpert_slots"))  # bytes of one expert's shard, every stack
     return dict(y=y.detach(), aux=aux.detach(), dx=x.grad, stats=layer.last_stats, rows=rows,
-                grads={n: p.grad for n, p in params.items()},
+                grads={n: p.grad for n, p in params.items()}, grad_sum=grad_sum,
                 meta={n: (p.meta.kind, p.meta.local_slices(sub)) for n, p in params.items()},
                 slot_params=[n for n, p in params.items() if hasattr(p, "vexpert_slots")],
                 stack_bytes=sum(p.numel() * p.element_size() for p in layer.experts.stacks()), one_expert=one_expert)
@@ -162,6 +170,28 @@ def check_slot_results(results, layout: RankLayout, index: int, label: str) -> N
         held = sorted({e for e in TABLES[layout.expert][layout.coords(rank)["ep"]] if e >= 0})
         assert [e for _, e in res["rows"]] == held  # one row per expert held: k vExperts, one copy
         assert res["stack_bytes"] == len(held) * res["one_expert"], (rank, res["stack_bytes"])
+        # the gradient sum's traffic, from the slot table: expert e's k holders H cut its W
+        # elements into k chunks (the first W mod k one longer), chunk j summed by H[(e + j) mod k];
+        # a holder sends every other chunk's root its part and receives its own chunk's parts
+        # from the k - 1 others, then sends its summed chunk to them and receives theirs
+        table, q, width = TABLES[layout.expert], layout.coords(rank)["ep"], res["one_expert"] // 4
+        each_way = 0
+        for e in range(E):
+            holders = [p for p in range(layout.expert) if e in table[p]]
+            k = len(holders)
+            if k > 1 and q in holders:
+                own = sum(width // k + (j < width % k) for j in range(k) if holders[(e + j) % k] == q)
+                each_way += (width - own) + (k - 1) * own
+        sent, received, calls = res["grad_sum"]
+        assert (sent, received) == (each_way * 4,) * 2, (label, rank, res["grad_sum"], each_way)
+        assert calls == (2 if each_way else 0), (label, rank, calls)  # a non-holder posts nothing
+        for other in layout.group_of("ep", rank):  # the copies of an expert carry the same bits
+            for k, e in res["rows"]:
+                for k2, e2 in results[other]["rows"]:
+                    if e2 == e:
+                        for name in slot_names:
+                            assert torch.equal(res["grads"][name][k], results[other]["grads"][name][k2]), \
+                                (label, rank, other, name, e)
         for name in slot_names:
             slices = res["meta"][name][1]
             edp = layout.group_of("edp", rank)

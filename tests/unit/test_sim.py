@@ -19,7 +19,8 @@ from megatron_moe.perf.hardware import load_profile, save_profile
 from megatron_moe.sim.cluster import Cluster, decision_profile
 from megatron_moe.sim.layout import STAGE_GROUPS, WorldLayout
 from megatron_moe.sim.moe_layer import Executed
-from megatron_moe.sim.ops import Op, OpBuilder
+from megatron_moe.sim.ops import Op, OpBuilder, traffic_of
+from megatron_moe.sim.replica_traffic import vexpert_grad_op
 from megatron_moe.sim.results import candidate_options
 from megatron_moe.sim.runner import Simulation, keep_pieces
 from megatron_moe.sim.timeline import Timeline
@@ -213,6 +214,30 @@ def test_timeline_semantics(cluster_profile):
     t.end_backward()
     assert t.clock.tolist() == pytest.approx([2e-3 + 6e-3] * 4)  # 2 ms dX, the 2 ms dW inside the 6 ms all-to-all
     assert t.breakdown(0)[("moe0", "dw_overlap")] == pytest.approx((2e-3, 0.0))  # Lancet's "overlap"
+
+
+def test_vexpert_gradient_sum_among_holders_by_hand(cluster_profile):
+    """`sync_replica_grads` priced as it runs: 4 EP ranks, 2 per node, 1000 fp32 elements per
+    expert. Expert 0 on ranks 0 and 1: chunks [0, 500) summed on rank 0, [500, 1000) on rank 1.
+    Expert 1 on ranks 0, 1, 2: chunks of 334, 333, 333 summed on holders (1 + j) mod 3 = ranks
+    1, 2, 0. Rank 3 holds no replicated expert."""
+    world, b = _world(cluster_profile, expert=4, ranks_per_node=2)
+    ops = vexpert_grad_op(b, np.array([[0, 1], [1, 0], [2, 1], [3, -1]]), 4, 1000)
+    # round 1 (elements): 0 -> 1: 500 + 334, 0 -> 2: 333, 1 -> 0: 500 + 333, 1 -> 2: 333, 2 -> 0: 333,
+    # 2 -> 1: 334; round 2 the transpose
+    sent = [834 + 333 + 833 + 333, 833 + 333 + 834 + 334, 333 + 334 + 333 + 333, 0]
+    assert traffic_of(ops)["vexpert_grad/ep"].tolist() == [4 * x for x in sent]
+    t = Timeline(world)
+    t.run(ops, "iteration")
+
+    def p2p(on, off):  # the larger of the node link's and the inter-node link's time
+        return max(1e-3 + 1e-6 * on if on else 0.0, 2e-3 + 4e-6 * off if off else 0.0)
+
+    # per round: rank 0 834 on its node / 333 off it, rank 1 834 / 334, rank 2 0 / 667 (the
+    # larger of sent and received); rank 3 neither spends nor waits
+    expected = [2 * p2p(834, 333), 2 * p2p(834, 334), 2 * p2p(0, 667), 0.0]
+    assert t.clock.tolist() == pytest.approx(expected)
+    assert vexpert_grad_op(b, np.array([[0, 1], [2, -1], [3, -1], [-1, -1]]), 4, 1000) == []  # no replica
 
 
 def test_one_layer_times_by_hand(cluster_profile, tmp_path):

@@ -17,7 +17,7 @@ from megatron_moe.model.precision import cast_params_
 from megatron_moe.moe.experts import Experts
 from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
 from megatron_moe.moe.vexpert_moves import Transfer, plan_transfers, reshape_storage
-from megatron_moe.moe.vexperts import SlotTable, expert_rows, integer_routing
+from megatron_moe.moe.vexperts import SlotTable, expert_rows, grad_chunks, grad_sum_traffic, integer_routing
 from tests.dense_reference import dense_flexible_routing, dense_integer_routing
 from tests.unit.test_flexmoe_plan import _random_slots
 
@@ -158,6 +158,36 @@ def test_storage_rows_follow_the_experts_held_with_bf16_masters_and_main_grads()
 
 
 # -- plan_transfers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(20))
+def test_gradient_sum_moves_a_ring_all_reduce_volume_among_the_holders(seed):
+    """Every holder of an expert on k ranks sums one chunk (the chunks tile the gradient) and
+    sends and receives 2 (k - 1) / k of it over both rounds, up to the chunks' rounding (Eq. 9's
+    ring among the holders); a rank holding no replicated expert takes no part."""
+    rng = np.random.default_rng(seed)
+    ep, E, width = int(rng.integers(2, 9)), 8, int(rng.integers(1, 40))
+    slots = _random_slots(rng, ep, -(-E // ep) + int(rng.integers(1, 4)), E)
+    held = [set(row[row >= 0].tolist()) for row in slots]
+    P = grad_sum_traffic(slots, E, width)
+    sent, received = P.sum(1) + P.T.sum(1), P.sum(0) + P.T.sum(0)  # round 1 + round 2 (the transpose)
+    want = np.zeros(ep)
+    for e in range(E):
+        ranks = [q for q in range(ep) if e in held[q]]
+        k = len(ranks)
+        if k < 2:
+            continue
+        chunks = grad_chunks(e, ranks, width)
+        assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == width
+        assert sorted(c[2] for c in chunks) == ranks  # one chunk per holder
+        for start, stop, root in chunks:
+            want[ranks] += stop - start  # each holder sends its part, or receives k - 1 parts ...
+            want[root] += (k - 2) * (stop - start)  # ... and the root sends the sum k - 1 times
+        assert max(stop - start for start, stop, _ in chunks) - min(stop - start for start, stop, _ in chunks) <= 1
+    np.testing.assert_array_equal(sent, want)
+    np.testing.assert_array_equal(received, want)
+    shared = {e for e in range(E) if sum(e in h for h in held) > 1}
+    assert all(sent[q] == 0 for q in range(ep) if not held[q] & shared)
+
+
 def test_plan_transfers_nothing_for_experts_a_rank_keeps():
     old = np.array([[0, 2, 0, -1], [1, 2, 3, -1]])
     # rank 0 gets a third vExpert of 0, rank 1 a second of 2: shared rows, nothing moves

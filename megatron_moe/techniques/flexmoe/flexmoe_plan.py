@@ -21,7 +21,9 @@ vExperts of one expert on one GPU share one copy of its weights. Token counts ar
 Where this departs from the paper, and why:
   * Eq. 8 and 9 use one profiled bandwidth for all GPU pairs; the all-reduce of Eq. 9 is priced
     as a ring over the k GPUs holding the expert, 2 (k - 1) / k x its gradients (the paper looks
-    BPS up per device group);
+    BPS up per device group); the trainer runs it among those k GPUs only (`moe/vexperts.py`
+    `sync_replica_grads`: a reduce-scatter and an all-gather of one chunk per holder, point to
+    point, the ring's volume in 2 rounds instead of 2 (k - 1) steps);
   * Alg. 2 accepts a plan only if t1 + (its transfer cost) / `amortize_steps` < t0, which is how
     "we also consider the cost of expert adjustments" is read here; it tries every GPU for the
     new vExpert and every GPU holding e1 for the shrink and keeps the cheapest (the paper leaves
