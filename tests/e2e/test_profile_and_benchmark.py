@@ -55,7 +55,9 @@ def test_benchmark_rows_compute_the_same_layer_with_parms_volumes():
                       "--warmup", "0", "--batch", "1", "--seq", "16", "--hidden", "32", "--ffn", "64")
     rows = json.loads(stdout.strip().splitlines()[-1])["results"]
     rows.pop("deepspeed", None)  # present when DeepSpeed is installed: test_benchmark_deepspeed_row_...
-    assert set(rows) == {"baseline", "s1", "s2", "s2_saa", "auto", "auto_saa", "auto_saa_s1_phased"}
+    # node_dedup: the baseline with the node-deduplicated dispatch (docs/node_dedup.md); the loop
+    # below checks it computes the same layer
+    assert set(rows) == {"baseline", "s1", "s2", "s2_saa", "auto", "auto_saa", "auto_saa_s1_phased", "node_dedup"}
     for name, row in rows.items():
         assert row["max_abs_diff_vs_baseline"] < 1e-5, name  # outputs ~1: float rounding only
         assert set(row["exposed_ms"]) == set(row["total_ms"]) >= {k.split("/")[0] for k in row["bytes"]}, name
