@@ -148,6 +148,9 @@ def grad_sum_traffic(slots: np.ndarray, num_experts: int, width: int) -> np.ndar
     return P
 
 
+Chunk = Tuple[int, int, int]  # (expert, start, stop) of one expert's flat gradient row
+
+
 @torch.no_grad()
 def sync_replica_grads(params: Sequence[torch.nn.Parameter], table: SlotTable, group: Group) -> None:
     """Every rank holding an expert that several ranks hold gets the sum of their gradients of it
@@ -172,54 +175,48 @@ def sync_replica_grads(params: Sequence[torch.nn.Parameter], table: SlotTable, g
     grads = [grad_buffer(p) for p in params]  # fp32 main_grad in bf16 runs (model/precision.py)
     width = sum(math.prod(g.shape[1:]) for g in grads)
     rows = {e: torch.cat([g[local[e]].reshape(-1) for g in grads]) for e, _ in mine}
-    out: Dict[int, List[torch.Tensor]] = defaultdict(list)  # peer -> pieces this rank sends it (round 1)
-    parts: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # peer -> (expert, start, stop) it sends here
-    owned = []  # (expert, start, stop, holders) of the chunks this rank sums
+    to_root: Dict[int, List[Chunk]] = defaultdict(list)  # root -> chunks this rank sends it its part of (round 1)
+    from_holder: Dict[int, List[Chunk]] = defaultdict(list)  # holder -> chunks this rank sums, its part (round 1)
     for e, ranks in mine:
         for start, stop, root in grad_chunks(e, ranks, width):
             if root != me:
-                out[root].append(rows[e][start:stop])
+                to_root[root].append((e, start, stop))
                 continue
-            owned.append((e, start, stop, ranks))
             for q in ranks:
                 if q != me:
-                    parts[q].append((e, start, stop))
-    sends = [(r, torch.cat(pieces)) for r, pieces in sorted(out.items())]
-    recvs = [(q, grads[0].new_empty(sum(b - a for _, a, b in ps))) for q, ps in sorted(parts.items())]
-    C.p2p_exchange(sends, recvs, group, kind=GRAD_KIND, tag=GRAD_TAGS[0]).wait()
-    got = {}  # (peer, expert, start, stop) -> its part
-    for q, buf in recvs:
-        offset = 0
-        for e, a, b in parts[q]:
-            got[(q, e, a, b)] = buf[offset: offset + b - a]
-            offset += b - a
+                    from_holder[q].append((e, start, stop))
+    # round 1: the holders' parts to each chunk's root
+    parts = _exchange({r: [rows[e][a:b] for e, a, b in cs] for r, cs in to_root.items()}, from_holder, rows, group,
+                      GRAD_TAGS[0])
     summed = {}
-    for e, a, b, ranks in owned:
-        total = None
-        for q in ranks:  # fixed order: ascending holder rank
-            part = rows[e][a:b] if q == me else got[(q, e, a, b)]
-            total = part.clone() if total is None else total.add_(part)
-        summed[(e, a, b)] = total
-    sends = [(q, torch.cat([summed[(e, a, b)] for e, a, b in ps])) for q, ps in sorted(parts.items())]
-    expect: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # root -> chunks it sends here
     for e, ranks in mine:
-        for start, stop, root in grad_chunks(e, ranks, width):
-            if root != me:
-                expect[root].append((e, start, stop))
-    recvs = [(r, grads[0].new_empty(sum(b - a for _, a, b in cs))) for r, cs in sorted(expect.items())]
-    C.p2p_exchange(sends, recvs, group, kind=GRAD_KIND, tag=GRAD_TAGS[1]).wait()
-    for r, buf in recvs:
-        offset = 0
-        for e, a, b in expect[r]:
-            summed[(e, a, b)] = buf[offset: offset + b - a]
-            offset += b - a
+        for a, b, root in grad_chunks(e, ranks, width):
+            if root == me:  # fixed order: ascending holder rank
+                mine_or_theirs = [rows[e][a:b] if q == me else parts[(q, e, a, b)] for q in ranks]
+                total = mine_or_theirs[0].clone()
+                for part in mine_or_theirs[1:]:
+                    total.add_(part)
+                summed[(e, a, b)] = total
+    # round 2: each root's sums back to the other holders
+    totals = _exchange({q: [summed[c] for c in cs] for q, cs in from_holder.items()}, to_root, rows, group,
+                       GRAD_TAGS[1])
+    summed.update({(e, a, b): t for (_, e, a, b), t in totals.items()})
     for e, ranks in mine:
         row = torch.cat([summed[(e, a, b)] for a, b, _ in grad_chunks(e, ranks, width)])
-        offset = 0
-        for g in grads:
-            n = g[local[e]].numel()
-            g[local[e]].copy_(row[offset: offset + n].view_as(g[local[e]]))
-            offset += n
+        for g, piece in zip(grads, row.split([g[local[e]].numel() for g in grads])):
+            g[local[e]].copy_(piece.view_as(g[local[e]]))
+
+
+def _exchange(sends: Dict[int, List[torch.Tensor]], receives: Dict[int, List[Chunk]], rows, group: Group,
+              tag: int) -> Dict[Tuple[int, int, int, int], torch.Tensor]:
+    """One round of `sync_replica_grads`: to each peer its pieces as one tensor, from each peer
+    its `receives` chunks (one tensor, in that order) -> {(peer, expert, start, stop): chunk}."""
+    like = next(iter(rows.values()))
+    recvs = [(q, like.new_empty(sum(b - a for _, a, b in cs))) for q, cs in sorted(receives.items())]
+    C.p2p_exchange([(r, torch.cat(pieces)) for r, pieces in sorted(sends.items())], recvs, group, kind=GRAD_KIND,
+                   tag=tag).wait()
+    return {(q, *c): piece for q, buf in recvs
+            for c, piece in zip(receives[q], buf.split([b - a for _, a, b in receives[q]]))}
 
 
 # -- routing --------------------------------------------------------------------------------------
