@@ -23,7 +23,8 @@ both (they must be equal); and `matmul_floor_ms`: the time of the step's matrix 
 each, plus the two backward GEMMs of each) as plain `torch.mm` / `torch.bmm` calls, one pass after
 each round of steps (median). Prints one JSON object, with `machine`: CPU model, cores, torch
 version and threads, CUDA device, and the load average at the start and the end (other jobs on
-the cores slow every side, not always alike). The ratios depend on the machine.
+the cores slow every side, not always alike). The ratios depend on the machine. glibc's malloc
+keeps freed memory in the process for all sides, as training sets it (perf/host_memory.py).
 
 --precision bf16 (issue #29, docs/precision.md): ours is `training.precision=bf16` (bf16 weights,
 fp32 main gradients and master weights: `MixedPrecisionAdamW`), compiled too; next to it, in the
@@ -54,6 +55,7 @@ from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.model.param_meta import init_model_from_seed_
 from megatron_moe.model.precision import cast_params_, param_dtype
 from megatron_moe.perf import timing
+from megatron_moe.perf.host_memory import keep_freed_host_memory
 from megatron_moe.perf.machine import load_average, machine_info
 from megatron_moe.training.optimizer import build_optimizer
 
@@ -182,6 +184,7 @@ def matmul_floor(cfg, rows_per_expert, dtype=torch.float32):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as training does (perf/host_memory.py), for every side, HF's included
     machine = machine_info()  # load average at the start; the JSON adds the one at the end
     try:
         import transformers  # noqa: F401

@@ -27,7 +27,7 @@ from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config, ModelConfig
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm, maybe
+from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm
 from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import apply_rotary, rotary_cos_sin
 from megatron_moe.tensor_parallel import ColumnParallelLinear, Dropout, DropoutRNG, RowParallelLinear
@@ -89,14 +89,20 @@ class SelfAttention(torch.nn.Module):
         """x `[b, s, h]` replicated; padding_mask `[b, s]` (1 = real token, 0 = padding key) or None.
         Returns `[b, s, h]` replicated."""
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_groups, self.per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.per_group].reshape(b, s, self.local_heads, self.head_dim)  # [b, s, heads/tp, d]
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # each [b, s, G/tp, d]
-        q, k = maybe(self.q_norm, q), maybe(self.k_norm, k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads/tp | G/tp, s, d]
-        if self.rope_theta is not None:
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, x.device)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        per_group, d = self.per_group, self.head_dim
+        # split, not indexing: backward then concatenates the three gradients once, where
+        # select / slice would each scatter into a zeroed copy of the whole QKV gradient
+        qk, v = self.qkv(x).view(b, s, self.local_groups, per_group + 2, d).split([per_group + 1, 1], dim=3)
+        if self.q_norm is not None:  # [b, s, G/tp, per_group | 1, d] -> normalized, concatenated again
+            q, k = qk.split([per_group, 1], dim=3)
+            q = self.q_norm(q.reshape(b, s, self.local_heads, d)).view(q.shape)
+            qk = torch.cat([q, self.k_norm(k.squeeze(3)).unsqueeze(3)], dim=3)
+        if self.rope_theta is not None:  # queries and keys in one pass
+            cos, sin = rotary_cos_sin(s, d, self.rope_theta, x.device)
+            qk = apply_rotary(qk, cos, sin, seq_dim=1)
+        q, k = qk.split([per_group, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, d)  # [b, s, heads/tp, d]
+        q, k, v = q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # [b, heads/tp | G/tp, s, d]
         if self.per_group > 1:  # query head j attends with key/value head j // per_group
             k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
         if self.recompute:

@@ -14,8 +14,6 @@ Both normalize in fp32 with `model.norm_eps` and return the input's dtype (as HF
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megatron_moe.config.errors import ConfigError
@@ -70,6 +68,3 @@ def check_qk_norm(cfg: ModelConfig) -> None:
     if cfg.qk_norm not in QK_NORMS:
         raise ConfigError(f"model.qk_norm={cfg.qk_norm!r} must be one of {', '.join(QK_NORMS)}")
 
-
-def maybe(norm: Optional[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
-    return x if norm is None else norm(x)

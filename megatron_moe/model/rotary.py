@@ -2,6 +2,12 @@
 
 Dimension pair (i, i + d/2) of each head is rotated by angle pos * theta^(-2i/d). Applied to queries
 and keys only; needs an even head dimension (checked by config validation).
+
+`apply_rotary` rotates in fp32 whatever the input's dtype and returns the input's dtype. Eager, it
+is one autograd node (`_Rotary`) over queries and keys together: per half, one product and one
+`addcmul_` into a preallocated output (no `rotate_half` concatenation), and backward is the same
+rotation by the negated angle (a rotation's transpose), with no autograd graph of slices, negations
+and concatenations to walk back. Under `torch.compile` it is the plain formula, which Inductor fuses.
 """
 from __future__ import annotations
 
@@ -19,9 +25,42 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float,
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [b, heads, s, d]` by position; cos/sin `[s, d]`. Computed in fp32, returns x's dtype."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 (x1 cos - x2 sin, x2 cos + x1 sin) of x = (x1, x2) halves of the last dim; cos / sin
+    `[..., d/2]` broadcast against x's halves."""
     x32 = x.float()
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # rotate_half(x)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = torch.empty_like(x32)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dy, cos, -sin).to(dy.dtype), None, None
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_dim: int = -2) -> torch.Tensor:
+    """Rotate `x [..., s, ..., d]` (sequence at `seq_dim`, e.g. `[b, heads, s, d]` or
+    `[b, s, heads, d]`) by position; cos / sin `[s, d]` from `rotary_cos_sin`. Computed in fp32,
+    returns x's dtype (module docstring)."""
+    trailing = x.dim() - 1 - (seq_dim % x.dim())  # dims between the sequence and d
+    shape = (cos.shape[0],) + (1,) * (trailing - 1) + (cos.shape[1],)
+    if torch.compiler.is_compiling():
+        x32 = x.float()
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # rotate_half(x)
+        return (x32 * cos.view(shape) + rotated * sin.view(shape)).to(x.dtype)
+    half = cos.shape[1] // 2  # cos / sin repeat their first half (rotary_cos_sin)
+    halves = (cos.shape[0],) + (1,) * (trailing - 1) + (half,)
+    return _Rotary.apply(x, cos[:, :half].reshape(halves), sin[:, :half].reshape(halves))

@@ -139,11 +139,13 @@ def _native_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> Optional[tor
     key = (x.device.type, x.dtype, w.shape[-2], w.shape[-1])
     if not _native_supported(x.device, x.dtype) or key in _REFUSED:
         return None
+    if not (x.is_contiguous() or x.t().is_contiguous()):  # the kernel takes row- or column-major x
+        x = x.contiguous()  # (dW's x^T stays a view: transposing a copy cost 3x the product on the CPU)
     try:
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
-                return torch._grouped_mm(x.contiguous(), w, offs=groups.offsets(x.device))
-        return torch._grouped_mm(x.contiguous(), w, offs=groups.offsets(x.device))
+                return torch._grouped_mm(x, w, offs=groups.offsets(x.device))
+        return torch._grouped_mm(x, w, offs=groups.offsets(x.device))
     except RuntimeError:  # e.g. CUDA kernels want 16-byte aligned k and n
         _REFUSED.add(key)
         return None
@@ -166,7 +168,7 @@ def _to_buckets(rows: torch.Tensor, groups: Groups) -> Tuple[torch.Tensor, Group
     if positions is None:
         return rows, groups, None
     positions = positions.to(rows.device)
-    return rows.new_zeros(sum(padded.counts), rows.shape[1]).index_copy(0, positions, rows), padded, positions
+    return rows.new_zeros(sum(padded.counts), rows.shape[1]).index_copy_(0, positions, rows), padded, positions
 
 
 def to_row_buckets(x: torch.Tensor, counts: Sequence[int]) -> Tuple[torch.Tensor, List[int], Optional[torch.Tensor]]:

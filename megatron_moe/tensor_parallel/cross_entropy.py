@@ -5,8 +5,11 @@ Each TP rank holds logits for its contiguous slice of the (padded) vocabulary. T
 needs only three all-reduces of per-token scalars (max, sum of exp, target logit) instead of
 gathering [tokens, V] logits. Backward is local: dL/dz = softmax(z) - onehot(target).
 
-Computed in fp32 whatever the logits' dtype (bf16 under autocast); the gradient is returned in the
-logits' dtype. Padded vocabulary entries (global index >= `vocab_size`) are masked to -inf, so they
+Computed in fp32 whatever the logits' dtype (bf16 runs: docs/precision.md); the gradient is
+returned in the logits' dtype. The fp32 copy of the logits is the only `[tokens, V]` buffer: it is
+shifted, exponentiated and normalized in place, and backward forms the gradient in it in place, as
+Megatron's kernel does (a second backward through the same loss is not supported). Padded
+vocabulary entries (global index >= `vocab_size`) are masked to -inf, so they
 take no probability mass and the loss does not depend on the tensor degree.
 """
 from __future__ import annotations
@@ -23,15 +26,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits [..., V_local] (this rank's slice), target [...] global ids, replicated across TP
         v_local = logits.shape[-1]
         vocab_start = group.rank * v_local
-        z = logits.float()
+        z = logits.to(torch.float32, copy=True)  # [..., V_local], this function's own: worked on in place
         valid_cols = vocab_size - vocab_start  # columns of this shard that are real vocabulary
         if valid_cols < v_local:
-            z = z.clone()
             z[..., max(valid_cols, 0):] = float("-inf")
         z_max = C.all_reduce(z.max(dim=-1).values, group, op="max")  # [...]
-        z = z - z_max.unsqueeze(-1)
-        exp_z = z.exp()  # [..., V_local]
-        sum_exp = C.all_reduce(exp_z.sum(dim=-1), group)  # [...]
+        z.sub_(z_max.unsqueeze(-1))
 
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= v_local)
@@ -39,6 +39,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target_logit = C.all_reduce(target_logit, group)  # [...]
 
+        exp_z = z.exp_()  # [..., V_local]
+        sum_exp = C.all_reduce(exp_z.sum(dim=-1), group)  # [...]
         softmax = exp_z.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
         ctx.logits_dtype = logits.dtype
@@ -47,7 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()  # [..., V_local]
+        grad = softmax  # [..., V_local], in place as Megatron's: backward runs once through the loss
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None

@@ -28,6 +28,7 @@ from megatron_moe.config.validate import validate_placement
 from megatron_moe.data.datasets import validate_data_config
 from megatron_moe.distributed import collectives, launch
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout, side_channels
+from megatron_moe.perf.host_memory import keep_freed_host_memory
 from megatron_moe.training.checkpoint import checkpoint_load_error
 from megatron_moe.training.failures import NONFINITE_EXIT, CheckpointError, NonFiniteError
 from megatron_moe.training.trainer import Trainer
@@ -70,6 +71,7 @@ def main(model_cls: type, argv: Optional[List[str]] = None, description: str = "
 def train(cfg: Config, model_cls: type, datasets: Optional[Callable] = None) -> None:
     """Create the process groups for a validated `cfg` and train."""
     par = cfg.parallel
+    keep_freed_host_memory()  # CPU steps reuse freed activations instead of faulting pages in (perf/host_memory.py)
     info = launch.initialize(par.backend, par.timeout_s)
     state = None
     try:

@@ -23,7 +23,7 @@ MAX_LINES = 500
 # floor -> module prefixes, bottom first: a module imports only from its own floor and below
 FLOORS = [
     ("config", ("config",)),
-    ("measurement and data basics", ("perf.timing", "perf.alpha_beta", "perf.hardware", "perf.machine", "data")),
+    ("measurement and data basics", ("perf.timing", "perf.alpha_beta", "perf.hardware", "perf.machine", "perf.host_memory", "data")),
     ("distributed", ("distributed", "perf.rank_timing")),
     ("tensor_parallel / model", ("tensor_parallel", "model")),
     ("moe core", ("moe",)),

@@ -266,3 +266,38 @@ def test_apex_norm_kernels_only_from_the_real_apex(tmp_path, monkeypatch):
         assert norm._apex(torch.ones(2)) is None
     finally:
         norm.apex_fused_norms.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_node_matches_complex_rotation(dtype):
+    """`apply_rotary`'s one autograd node (model/rotary.py) on both layouts it is given, `[b, heads,
+    s, d]` and the attention's `[b, s, G, per_group + 1, d]`: output and input gradient equal the
+    rotation of complex pairs in float64 (backward: the rotation by the negated angle), to fp32
+    rounding, or in bf16 to one rounding of the result (rel 2^-8)."""
+    from megatron_moe.model.rotary import apply_rotary, rotary_cos_sin
+    s, d, theta = 12, 8, 10000.0
+    cos, sin = rotary_cos_sin(s, d, theta, torch.device("cpu"))
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    turn = torch.polar(torch.ones(s, d // 2, dtype=torch.float64), torch.arange(s, dtype=torch.float64)[:, None] * freqs)
+
+    def reference(x, seq_dim):  # rotate pairs (i, i + d/2) of x (float64) by position
+        z = torch.complex(x[..., : d // 2], x[..., d // 2:])
+        shape = [1] * x.dim()
+        shape[seq_dim], shape[-1] = s, d // 2
+        z = z * turn.view(shape)
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    gen = torch.Generator().manual_seed(0)
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -8
+    for shape, seq_dim in (((2, 3, s, d), 2), ((2, s, 2, 3, d), 1)):
+        x = torch.randn(shape, generator=gen).to(dtype).requires_grad_(True)
+        dy = torch.randn(shape, generator=gen).to(dtype)
+        y = apply_rotary(x, cos, sin, seq_dim=seq_dim)
+        assert y.dtype == dtype and y.shape == x.shape
+        (dx,) = torch.autograd.grad(y, x, dy)
+        x64 = x.detach().double().requires_grad_(True)
+        y64 = reference(x64, seq_dim)
+        (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+        for got, want in ((y, y64), (dx, dx64)):
+            err = (got.double() - want).abs().max() / want.abs().max()
+            assert err <= tol, (shape, float(err))

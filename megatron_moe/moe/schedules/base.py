@@ -188,10 +188,27 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def unless_identity(perm: torch.Tensor) -> Optional[torch.Tensor]:
+    """Long[m] permutation -> itself, or None where it is the identity (one host check of m ids,
+    instead of a gather of m rows forward and a scatter-add of their gradient backward). Rows
+    ordered by expert are already ordered by destination where each EP rank holds a contiguous
+    range of experts (the default placement), and a single EP rank's orders all keep rows in place."""
+    identity = torch.arange(perm.numel(), device=perm.device)
+    return None if bool(torch.equal(perm, identity)) else perm
+
+
+def permute_rows(rows: torch.Tensor, perm: Optional[torch.Tensor], inverse: bool = False) -> torch.Tensor:
+    """rows [m, h] -> rows.index_select(0, perm) (or by perm's inverse); `rows` where perm is None
+    (the identity, `unless_identity`)."""
+    if perm is None:
+        return rows
+    return rows.index_select(0, inverse_permutation(perm) if inverse else perm)
+
+
 def gate_weighted_sum(rows: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
     """The gate-weighted combine: rows [m, h] aligned with `slots` (Long[m], token * k + choice)
     and combine weights [n, k] -> [n, h], token t's row sum_c weights[t, c] * row of slot t * k + c
     (fp32 when the weights are: bf16 rows are summed in fp32)."""
     k = weights.shape[1]
     weighted = rows * weights.flatten().index_select(0, slots).unsqueeze(1)
-    return weighted.new_zeros((n, rows.shape[1])).index_add(0, slots // k, weighted)
+    return weighted.new_zeros((n, rows.shape[1])).index_add_(0, slots // k, weighted)  # in place: no copy of the zeros

@@ -40,8 +40,8 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import (EXCHANGES, Routed, Schedule, gate_weighted_sum, inverse_permutation,
-                                             slots_by_expert)
+from megatron_moe.moe.schedules.base import (EXCHANGES, Routed, Schedule, gate_weighted_sum, permute_rows,
+                                             slots_by_expert, unless_identity)
 from megatron_moe.tensor_parallel import reduce_from_tp_region
 
 ROUTING_KIND = "all_gather_routing"  # byte-counter labels of the metadata collectives
@@ -72,8 +72,8 @@ class _CombineContext:
     routed: BaselineRouted
     send_splits: List[int]
     recv_splits: List[int]
-    send_order: torch.Tensor  # expert-ordered rows -> send buffer
-    recv_order: Optional[torch.Tensor] = None  # received rows -> expert batch (set by dispatch)
+    send_order: Optional[torch.Tensor]  # expert-ordered rows -> send buffer (None: the identity)
+    recv_order: Optional[torch.Tensor] = None  # received rows -> expert batch (set by dispatch; None: the identity)
 
 
 @TOKEN_DISPATCH.register("per_copy")
@@ -88,9 +88,9 @@ class PerCopy:
         """G_p's rows [n_G, h] -> its kept assignments' rows ordered by destination EP rank [m, h]."""
         ep = self.schedule.state.ep
         rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
-        send_order = torch.argsort(placement.destinations(ep.rank), stable=True).to(rows.device)
+        send_order = unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True).to(rows.device))
         ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order)
-        return rows.index_select(0, send_order), ctx
+        return permute_rows(rows, send_order), ctx
 
     def dispatch(self, tokens: torch.Tensor, routed: BaselineRouted,
                  placement: Placement) -> Tuple[ExpertBatch, _CombineContext]:
@@ -98,14 +98,14 @@ class PerCopy:
         send, ctx = self.send_rows(tokens, routed, placement)
         received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,  # step 4
                                            while_in_flight=s.hooks.in_flight(), backward_fill=s.backward_fill())
-        ctx.recv_order = placement.receive_order(ep.rank).to(send.device)
-        batch = ExpertBatch(received.index_select(0, ctx.recv_order), placement.experts_on(ep.rank),
+        ctx.recv_order = unless_identity(placement.receive_order(ep.rank).to(send.device))
+        batch = ExpertBatch(permute_rows(received, ctx.recv_order), placement.experts_on(ep.rank),
                             placement.expert_counts(ep.rank))
         return batch, ctx
 
     def combine(self, out: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
         s = self.schedule
-        out = out.index_select(0, inverse_permutation(ctx.recv_order))  # as received: source-major
+        out = permute_rows(out, ctx.recv_order, inverse=True)  # as received: source-major
         returned = C.all_to_all_v_autograd(out, ctx.recv_splits, ctx.send_splits, s.state.ep,
                                            while_in_flight=s.hooks.combining(), backward_fill=s.backward_fill())
         return self.finish(returned, ctx)  # step 7
@@ -113,7 +113,7 @@ class PerCopy:
     def finish(self, returned: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
         """Rows as returned [m, h] -> gate-weighted combine of G_p's rows [n_G, h]."""
         routed = ctx.routed
-        rows = returned.index_select(0, inverse_permutation(ctx.send_order))  # [m, h] aligned with routed.slots
+        rows = permute_rows(returned, ctx.send_order, inverse=True)  # [m, h] aligned with routed.slots
         return gate_weighted_sum(rows, routed.weights, routed.slots, routed.weights.shape[0])
 
 
