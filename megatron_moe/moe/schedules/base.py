@@ -188,13 +188,14 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def unless_identity(perm: torch.Tensor) -> Optional[torch.Tensor]:
-    """Long[m] permutation -> itself, or None where it is the identity (one host check of m ids,
-    instead of a gather of m rows forward and a scatter-add of their gradient backward). Rows
-    ordered by expert are already ordered by destination where each EP rank holds a contiguous
-    range of experts (the default placement), and a single EP rank's orders all keep rows in place."""
+def unless_identity(perm: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
+    """Long[m] permutation (where placement built it: the host) -> itself on `device`, or None where
+    it is the identity, checked before the copy so no device sync is added (a gather of m rows
+    forward and a scatter-add of their gradient backward saved). Rows ordered by expert are
+    already ordered by destination where each EP rank holds a contiguous range of experts (the
+    default placement), and a single EP rank's orders all keep rows in place."""
     identity = torch.arange(perm.numel(), device=perm.device)
-    return None if bool(torch.equal(perm, identity)) else perm
+    return None if bool(torch.equal(perm, identity)) else perm.to(device)
 
 
 def permute_rows(rows: torch.Tensor, perm: Optional[torch.Tensor], inverse: bool = False) -> torch.Tensor:

@@ -88,7 +88,7 @@ class PerCopy:
         """G_p's rows [n_G, h] -> its kept assignments' rows ordered by destination EP rank [m, h]."""
         ep = self.schedule.state.ep
         rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
-        send_order = unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True).to(rows.device))
+        send_order = unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True), rows.device)
         ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order)
         return permute_rows(rows, send_order), ctx
 
@@ -98,7 +98,7 @@ class PerCopy:
         send, ctx = self.send_rows(tokens, routed, placement)
         received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,  # step 4
                                            while_in_flight=s.hooks.in_flight(), backward_fill=s.backward_fill())
-        ctx.recv_order = unless_identity(placement.receive_order(ep.rank).to(send.device))
+        ctx.recv_order = unless_identity(placement.receive_order(ep.rank), send.device)
         batch = ExpertBatch(permute_rows(received, ctx.recv_order), placement.experts_on(ep.rank),
                             placement.expert_counts(ep.rank))
         return batch, ctx
