@@ -17,7 +17,7 @@ import sys
 
 from megatron_moe.config import ConfigError
 from megatron_moe.convert import offline
-from megatron_moe.training.checkpoint_io import CheckpointError
+from megatron_moe.training.failures import CheckpointError
 
 
 def main(argv=None) -> int:

@@ -34,8 +34,8 @@ from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.inference import build_single_process_model
 from megatron_moe.training.checkpoint import (checkpoint_config, layout_dict, read_meta, resolve_checkpoint,
                                               single_process_config, write_checkpoint_dir, NO_PIPELINE)
-from megatron_moe.training.checkpoint_io import (ShardedEntry, full_entry, interleaved_swiglu_dim, load_full,
-                                                 read_metadata)
+from megatron_moe.training.checkpoint_files import ShardedEntry, full_entry, interleaved_swiglu_dim
+from megatron_moe.training.checkpoint_io import load_full, read_metadata
 
 SINGLE = ["parallel.tensor=1", "parallel.expert=1", "parallel.expert_shard=1", "parallel.pipeline=1",
           "checkpoint.load=null"]

@@ -2,7 +2,7 @@
 
 A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
 
-* DCP tensor files (`checkpoint_io.py`), every tensor under its global identity:
+* DCP tensor files (`checkpoint_io.py`, imported on the first save or load), every tensor under its global identity:
   `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`; names are the
   same under any pipeline split, model/pipeline_stages.py, each stage writes its own),
   (fp32 always: a bf16 run saves its fp32 master weights, training/mixed_precision.py, and loads
@@ -47,9 +47,9 @@ from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.vexpert_moves import fit_optimizer_rows
 from megatron_moe.training.distributed_optimizer import DistributedOptimizer
-from megatron_moe.training.checkpoint_io import (DCP_METADATA, MANIFEST, CheckpointError, ShardedEntry, full_entry,
-                                                 load_entries, read_json, read_metadata, save_entries, verify_manifest,
-                                                 write_json, write_manifest)
+from megatron_moe.training.checkpoint_files import (DCP_METADATA, MANIFEST, ShardedEntry, full_entry, read_json,
+                                                    verify_manifest, write_json, write_manifest)
+from megatron_moe.training.failures import CheckpointError
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 
@@ -195,7 +195,8 @@ def write_checkpoint_dir(root: str, iteration: int, entries: Dict[str, ShardedEn
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
     _barrier(state)
-    save_entries(entries, tmp, single_process=state is None)
+    from megatron_moe.training import checkpoint_io  # DCP: imported when first needed (~1 s per process)
+    checkpoint_io.save_entries(entries, tmp, single_process=state is None)
     _barrier(state)
     if writer:
         write_json(os.path.join(tmp, META), meta)
@@ -359,16 +360,17 @@ def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.n
     entries = model_entries(model, state, masters)  # fp32 checkpoints load into bf16 runs' masters
     if optimizer is not None and meta.get("has_optimizer"):
         entries.update(optimizer_entries(model, optimizer, state, adam_states))
+    from megatron_moe.training import checkpoint_io  # DCP: imported when first needed (~1 s per process)
     same_layout = meta["layout"] == layout_dict(state)
     rng = {}
     if same_layout:
         prefix = f"rng/rank{state.rank}/"
-        for key, md in read_metadata(path).state_dict_metadata.items():
+        for key, md in checkpoint_io.read_metadata(path).state_dict_metadata.items():
             if key.startswith(prefix):
                 rng[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
                 entries[key] = full_entry(rng[key])
     with torch.no_grad():
-        load_entries(entries, path)
+        checkpoint_io.load_entries(entries, path)
     if adam_states is not None:
         _set_adam_states(model, optimizer, adam_states)
     elif distributed and meta.get("has_optimizer"):

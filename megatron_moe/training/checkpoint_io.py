@@ -16,9 +16,8 @@ into DCP's `ChunkStorageMetadata(offsets, sizes)` write/read items. DCP then doe
 One process may offer several chunks of one tensor (offline resharding writes a whole target
 layout from one process).
 
-Integrity. `manifest.json` (written last, before the directory is renamed into place) lists
-every file with its size and SHA-256; `verify_manifest` refuses a checkpoint with a missing,
-truncated, modified or unexpected file, naming it.
+Integrity: `checkpoint_files.py` (the manifest; that module is what training imports at
+start-up, this one, with DCP, only when it saves or loads).
 
 Safety. DCP's `.metadata` file is a pickle of its own metadata dataclasses: it is read with an
 allow-list unpickler (DCP metadata classes, torch.Size/dtype, builtin containers) and anything
@@ -28,14 +27,11 @@ else is refused. Tensor data is read by DCP with `torch.load(weights_only=True)`
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import json
 import os
 import pickle
 import warnings
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,24 +44,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_moe.distributed import collectives
-from megatron_moe.training.failures import CheckpointError  # noqa: F401  (raised here; importers use this name)
-
-MANIFEST = "manifest.json"
-DCP_METADATA = ".metadata"
-
-
-@dataclass
-class ShardedEntry:
-    """One global tensor: its shape and the chunks (local tensor, offsets) this process holds."""
-
-    global_shape: Tuple[int, ...]
-    chunks: List[Tuple[torch.Tensor, Tuple[int, ...]]] = field(default_factory=list)
-
-
-def full_entry(tensor: torch.Tensor) -> ShardedEntry:
-    """A tensor held in full (replicated, or a single-process model)."""
-    return ShardedEntry(tuple(tensor.shape), [(tensor, (0,) * tensor.dim())])
-
+from megatron_moe.training.checkpoint_files import DCP_METADATA, ShardedEntry, full_entry, interleaved_swiglu_dim
+from megatron_moe.training.failures import CheckpointError
 
 def _chunk_md(tensor: torch.Tensor, offsets: Sequence[int]) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
@@ -198,16 +178,6 @@ def check_entries(metadata: Metadata, entries: Dict[str, ShardedEntry], path: st
                 f"{tuple(entry.global_shape)} (the model config differs from the checkpoint's config.yaml)")
 
 
-def interleaved_swiglu_dim(stored: Sequence[int], expected: Sequence[int]) -> Optional[int]:
-    """The dim k at which `expected` holds SwiGLU's (2, f) = (gate, up) units while `stored` has
-    them merged into one dim of 2f (the interleaved layout before issue #16), or None."""
-    stored, expected = tuple(stored), tuple(expected)
-    for k in range(len(expected) - 1):
-        if expected[k] == 2 and stored == expected[:k] + (2 * expected[k + 1],) + expected[k + 2:]:
-            return k
-    return None
-
-
 def load_entries(entries: Dict[str, ShardedEntry], path: str, single_process: bool = False) -> None:
     """Collective unless `single_process`: fill every chunk of `entries` in place from the DCP
     checkpoint at `path` (checked first, so problems surface as one-line CheckpointErrors)."""
@@ -236,56 +206,3 @@ def load_full(path: str, keys: Optional[Sequence[str]] = None) -> Dict[str, torc
         entries[key] = full_entry(out[key])
     load_entries(entries, path, single_process=True)
     return out
-
-
-# -- manifest -----------------------------------------------------------------------------------
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(path: str) -> None:
-    """List every file of the checkpoint directory with size and SHA-256; written last."""
-    files = {name: {"size": os.path.getsize(os.path.join(path, name)), "sha256": _sha256(os.path.join(path, name))}
-             for name in sorted(os.listdir(path)) if name != MANIFEST}
-    write_json(os.path.join(path, MANIFEST), {"format": "megatron_moe-dcp-v1", "files": files})
-
-
-def verify_manifest(path: str) -> None:
-    """Raise CheckpointError naming the first missing, truncated, modified or unexpected file."""
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save did not finish)")
-    try:
-        files = read_json(manifest_path)["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({exc})") from None
-    for name, expect in files.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-        size = os.path.getsize(file)
-        if size != expect["size"]:
-            raise CheckpointError(f"checkpoint {path}: file {name} has {size} bytes, the manifest says {expect['size']}")
-        if _sha256(file) != expect["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {name} is corrupt (SHA-256 differs from the manifest)")
-    extra = sorted(set(os.listdir(path)) - set(files) - {MANIFEST})
-    if extra:
-        raise CheckpointError(f"checkpoint {path}: unexpected file {extra[0]} (not in the manifest)")
-
-
-def write_json(path: str, data) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_json(path: str):
-    with open(path) as f:
-        return json.load(f)

@@ -15,7 +15,8 @@ from megatron_moe import load_model
 from megatron_moe.config import load_config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.training.checkpoint import LATEST, checkpoint_dirs, newest_complete
-from megatron_moe.training.checkpoint_io import CheckpointError, write_manifest
+from megatron_moe.training.checkpoint_files import write_manifest
+from megatron_moe.training.failures import CheckpointError
 from megatron_moe.training.trainer import Trainer
 from tests.checkpoint_helpers import synthetic_datasets
 
@@ -115,10 +116,10 @@ def test_pickled_payloads_are_refused(run, tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from megatron_moe.training import checkpoint, checkpoint_io
+    from megatron_moe.training import checkpoint, checkpoint_files
     from tests.unit.test_checkpoint import train
 
-    real = checkpoint_io.write_manifest
+    real = checkpoint_files.write_manifest
     def slow_manifest(path):  # the DCP files of the 2nd save are written; hang before the manifest
         if "iter_0000002" in path:
             print("SAVING", path, flush=True)

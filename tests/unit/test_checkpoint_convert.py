@@ -122,7 +122,8 @@ def test_upgrade_swiglu_converts_interleaved_checkpoints(tmp_path):
     """Checkpoints written before the SwiGLU halves layout (issue #16) are refused with the fix in
     one line, and `upgrade-swiglu` turns them into the same model and optimizer state."""
     from megatron_moe.training.checkpoint import read_meta, write_checkpoint_dir
-    from megatron_moe.training.checkpoint_io import CheckpointError, full_entry
+    from megatron_moe.training.checkpoint_files import full_entry
+    from megatron_moe.training.failures import CheckpointError
 
     # dense SwiGLU fc1 (layer 0) and expert w1 / b1 (layer 1), with biases and AdamW moments
     cfg = mixtral_config(tmp_path, SHORT + ["moe.layer_freq=2", "model.bias=true"])
