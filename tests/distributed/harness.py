@@ -11,6 +11,11 @@ rank's GPU under NCCL, else the CPU) and `backend()` the backend (for a config's
 `parallel.backend`). Worker exceptions are re-raised in the parent with the worker's traceback; a
 hard timeout kills everything. NCCL needs a GPU per rank: with fewer, the test is skipped.
 
+Workers start from a forkserver that has imported torch and megatron_moe once (`PRELOAD`): a
+fresh interpreter per rank would spend ~3 s of CPU importing them again, which on 2 cores was a
+large part of the suite. The server only imports (no OpenMP pool, no CUDA context, no process
+group): workers fork from the state DataLoader's forked workers start from.
+
 `BACKENDS` parametrizes a test over both: gloo, and NCCL marked `gpu` (run by `make test-gpu`,
 skipped without enough GPUs, deselected by `make test`).
 """
@@ -31,6 +36,9 @@ from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 
 
+# imported once by the forkserver each test process starts; every worker forks from it
+PRELOAD = ["torch", "torch.distributed", "megatron_moe.plugins", "megatron_moe.training.trainer",
+           "megatron_moe.training.entry", "tests.distributed.harness"]
 BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)]
 _BACKEND, _DEVICE = "gloo", torch.device("cpu")  # this worker's (set by `_worker`)
 
@@ -81,7 +89,8 @@ def run_distributed(world_size: int, fn: Callable, layout_kwargs: Optional[Dict[
     one GPU per rank); return results in rank order (tensors on the CPU)."""
     if backend == "nccl":
         require_gpus(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process first starts the server
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
