@@ -9,6 +9,8 @@ mark, an HTML comment on the line right above the fence (invisible when rendered
     <!-- doc-test: run output="config error" --> ... and this text in its output
     <!-- doc-test: run files=a.txt,d.jsonl --> ... with these inputs made first (make_inputs)
     <!-- doc-test: skip slurm -->              not run, with the reason (slurm, gpu, or words)
+    <!-- doc-test: skip same as README.md -->  not run here: every command of the block is one of a
+                                               runnable block of that doc (checked), which runs it
 
 A runnable block runs as one `bash -e` script in a fresh directory that links the checkout's code
 (configs/ is copied, so written profiles stay there), with the checkout's environment active (as
@@ -120,6 +122,7 @@ def test_every_shell_block_is_marked():
     problems += [f"{b.id}: skip without a reason" for b in ALL if b.mark == "skip" and not b.reason]
     problems += [f"{b.id}: unknown option {k!r} (known: {', '.join(OPTIONS)})"
                  for b in RUNNABLE for k in b.options if k not in OPTIONS]
+    problems += elsewhere_problems()
     for doc in DOCS:
         fenced = False
         prev = ""
@@ -133,6 +136,23 @@ def test_every_shell_block_is_marked():
     assert not problems, "\n".join(problems)
     assert len(RUNNABLE) >= MIN_RUNNABLE, f"only {len(RUNNABLE)} runnable shell blocks found in {len(DOCS)} docs"
     assert all(logical_lines(b.text) for b in RUNNABLE), "a runnable block without a command"
+
+
+SAME_AS = re.compile(r"^same as (\S+)$")
+
+
+def elsewhere_problems() -> List[str]:
+    """A `skip same as DOC` block runs nowhere else: each of its commands must be (whitespace aside)
+    a command of a runnable block of DOC."""
+    problems = []
+    for b in ALL:
+        same = SAME_AS.match(b.reason) if b.mark == "skip" else None
+        if not same:
+            continue
+        there = {" ".join(c.split()) for r in RUNNABLE if r.doc == same.group(1) for c in logical_lines(r.text)}
+        problems += [f"{b.id}: `{c}` is in no runnable block of {same.group(1)} (skip same as {same.group(1)})"
+                     for c in logical_lines(b.text) if " ".join(c.split()) not in there]
+    return problems
 
 
 def logical_lines(text: str) -> List[str]:
