@@ -1,11 +1,16 @@
 """Shared pytest fixtures, the `gpu` marker's skip (`make test-gpu`) and the suite's order."""
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# `make test` runs test files on 2 xdist workers (--dist loadfile), handed out in collection order:
-# the long files first, the many short unit files last to fill the gaps, so neither worker ends
+# torch.compile in the tests (and the processes they start) compiles in-process: inductor's pool of
+# compile workers costs more start-up (each imports torch) than it saves on a 2-core machine
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# `make test` runs test files on 3 xdist workers (--dist loadfile), handed out in collection order:
+# the long files first, the many short unit files last to fill the gaps, so no worker ends
 # alone on a long file (a stable sort: the order inside a file is kept)
 FIRST = ("e2e/test_doc_examples.py", "e2e/test_sweep_slurm.py", "e2e/test_two_node.py", "e2e/test_sweep.py",
          "distributed/test_pipeline.py")
