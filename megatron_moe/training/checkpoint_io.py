@@ -47,6 +47,7 @@ from megatron_moe.distributed import collectives
 from megatron_moe.training.checkpoint_files import DCP_METADATA, ShardedEntry, full_entry, interleaved_swiglu_dim
 from megatron_moe.training.failures import CheckpointError
 
+
 def _chunk_md(tensor: torch.Tensor, offsets: Sequence[int]) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
 

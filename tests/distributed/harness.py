@@ -13,8 +13,8 @@ hard timeout kills everything. NCCL needs a GPU per rank: with fewer, the test i
 
 Workers start from a forkserver that has imported torch and megatron_moe once (`PRELOAD`): a
 fresh interpreter per rank would spend ~3 s of CPU importing them again, which on 2 cores was a
-large part of the suite. The server only imports (no OpenMP pool, no CUDA context, no process
-group): workers fork from the state DataLoader's forked workers start from.
+large part of the suite. The server only imports: it holds no OpenMP pool, CUDA context or process
+group when a worker forks from it (the state a DataLoader forks its workers from).
 
 `BACKENDS` parametrizes a test over both: gloo, and NCCL marked `gpu` (run by `make test-gpu`,
 skipped without enough GPUs, deselected by `make test`).

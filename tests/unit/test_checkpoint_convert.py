@@ -121,7 +121,7 @@ def _interleave(new: torch.Tensor, k: int) -> torch.Tensor:
 def test_upgrade_swiglu_converts_interleaved_checkpoints(tmp_path):
     """Checkpoints written before the SwiGLU halves layout (issue #16) are refused with the fix in
     one line, and `upgrade-swiglu` turns them into the same model and optimizer state."""
-    from megatron_moe.training.checkpoint import read_meta, write_checkpoint_dir
+    from megatron_moe.training.checkpoint import write_checkpoint_dir
     from megatron_moe.training.checkpoint_files import full_entry
     from megatron_moe.training.failures import CheckpointError
 
