@@ -25,7 +25,7 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.perf.calibrate import (ExpertShape, fit_description, fit_links, fit_profile, geometric_sizes,
-                                         measure_links, measure_points)
+                                         measure_links, measure_points, recorded)
 from megatron_moe.perf.hardware import OPS, save_profile
 from megatron_moe.perf.rank_timing import init_state
 
@@ -73,9 +73,7 @@ def main(argv=None) -> int:
             unit = "FLOP" if op == "expert_compute" else "element"
             say(f"{op:16s} alpha {f.alpha:.3e} s  beta {f.beta:.3e} s/{unit}  R^2 {f.r2 if f.r2 is not None else '-'}")
         if links is not None:
-            profile = replace(profile, cluster=fit_links(links), fit=dict(profile.fit, link_points={
-                kind: {"x": [float(x) for x in xs], "seconds": [float(f"{t:.6g}") for t in ts]}
-                for kind, (xs, ts) in links.items()}))
+            profile = replace(profile, cluster=fit_links(links), fit=dict(profile.fit, link_points=recorded(links)))
             for kind, link in profile.cluster.links.items():
                 say(f"link {kind:12s} alpha {link.intra.alpha:.3e} s  beta {link.intra.beta:.3e} s/element  "
                     f"R^2 {link.intra.r2:.3f}")

@@ -193,22 +193,31 @@ def measure_links(state: ParallelState, sizes: Sequence[int], reps: int, device:
     return points
 
 
+def recorded(points: Points) -> Dict[str, Dict[str, list]]:
+    """`points` as a profile records them: {op: {"x": sizes, "seconds": times to 6 significant
+    digits}}. Fits are made from these, so a profile's fit is exactly that of the points it holds."""
+    return {op: {"x": [float(x) for x in xs], "seconds": [float(f"{t:.6g}") for t in ts]}
+            for op, (xs, ts) in points.items()}
+
+
 def fit_links(points: Points, node_size: Optional[int] = None) -> ClusterSpec:
-    """The cluster block of one machine's measured links (every rank on one node: `intra`)."""
-    return ClusterSpec(node_size, {kind: Link(fit_alpha_beta(*points[kind])) for kind in points})
+    """The cluster block of one machine's measured links (every rank on one node: `intra`), fitted
+    to the `recorded` points."""
+    kept = recorded(points)
+    return ClusterSpec(node_size, {kind: Link(fit_alpha_beta(p["x"], p["seconds"])) for kind, p in kept.items()})
 
 
 def fit_profile(name: str, points: Points, fit: Dict, description: str = "") -> HardwareProfile:
     """Least-squares alpha-beta of every op in `points` (`perf/alpha_beta.py`); an op measured on a
-    group of one rank (no points) costs 0. The points go into `fit.points`."""
+    group of one rank (no points) costs 0. The `recorded` points, which the fits are made from, go
+    into `fit.points`."""
     unknown = set(points) - set(OPS)
     if unknown or not points:
         raise ValueError(f"fit_profile: timings for unknown ops {sorted(unknown)}" if unknown else
                          "fit_profile: no timings")
-    fits = {op: fit_alpha_beta(*points[op]) if points[op][0] else AlphaBeta(0.0, 0.0) for op in points}
-    fit = dict(fit, points={op: {"x": [float(x) for x in points[op][0]],
-                                 "seconds": [float(f"{t:.6g}") for t in points[op][1]]} for op in points})
-    return HardwareProfile(name, description=description, fit=fit, **fits)
+    kept = recorded(points)
+    fits = {op: fit_alpha_beta(p["x"], p["seconds"]) if p["x"] else AlphaBeta(0.0, 0.0) for op, p in kept.items()}
+    return HardwareProfile(name, description=description, fit=dict(fit, points=kept), **fits)
 
 
 def fit_description(state: ParallelState, tool: str, reps: int, shape: ExpertShape) -> Dict:

@@ -41,6 +41,7 @@ training read; the simulator derives what it needs from either (`sim/cluster.py`
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
@@ -161,13 +162,21 @@ def _cluster(raw: Any, where: str) -> ClusterSpec:
 
 
 def load_profile(path: str) -> HardwareProfile:
-    """Read and check a profile; a ConfigError names `perf.hardware_profile` and the problem."""
-    where = f"perf.hardware_profile={path}"
+    """Read and check a profile; a ConfigError names `perf.hardware_profile` and the problem. The
+    file is read on every call; parsing is cached by its content (every balancer and schedule of a
+    model loads the same profile, the simulator one per layer and candidate), so the profile
+    returned may be shared: it is frozen, and its `fit` must not be changed in place."""
     if not os.path.isfile(path):
-        raise ConfigError(f"{where}: no such file")
+        raise ConfigError(f"perf.hardware_profile={path}: no such file")
+    with open(path) as f:
+        return _parse_profile(path, f.read())
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_profile(path: str, text: str) -> HardwareProfile:
+    where = f"perf.hardware_profile={path}"
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml when built with it
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):

@@ -17,30 +17,26 @@ A runnable block runs as one `bash -e` script in a fresh directory that links th
 after `. .venv/bin/activate`). Each command that starts a program listed in CHEAP gets that
 program's arguments appended (a later flag or `section.key=value` wins), e.g.
 `training.train_iters=2` for training and `--reps 1` for benchmarks; every benchmark a doc runs
-must have an entry.
+must have an entry. A command that a test runs with `tests/doc_blocks.py`'s `run_doc_command`
+(and asserts on) is left out of its block's script here: it runs once, in that test.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import shutil
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
 
+from tests.doc_blocks import (ALL, DOCS, ROOT, RUNNABLE, SHELL, environment, logical_lines, run_by_tests, squash,
+                              workdir)
+
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SHELL = {"bash", "sh", "shell", "console"}
-MARK = re.compile(r"^<!--\s*doc-test:\s*(run|skip)\b(.*?)\s*-->\s*$")
 MIN_RUNNABLE = 15  # the docs hold more; fewer found means the extraction broke
 OPTIONS = ("exit", "files", "output")  # of a run mark
 
@@ -63,54 +59,7 @@ CHEAP: Dict[str, List[str]] = {
     "benchmarks/simulate_scale.py": ["--gpus", "64", "--iterations", "2"],
     "benchmarks/sim_validate.py": ["--worlds", "2", "--reps", "1", "--balancers", "none"],
 }
-LINKED = ["pretrain_gpt_moe.py", "pretrain_bert_moe.py", "megatron_moe", "scripts", "tools", "benchmarks", "tests",
-          "Makefile", "pyproject.toml", ".venv"]
 TIMEOUT_S = 600
-
-
-@dataclass
-class Block:
-    doc: str  # path relative to the checkout
-    line: int  # of the opening fence
-    lang: str
-    text: str
-    mark: Optional[str] = None  # "run" | "skip"
-    options: Dict[str, str] = field(default_factory=dict)
-    reason: str = ""
-
-    @property
-    def id(self) -> str:
-        return f"{self.doc}:{self.line}"
-
-
-def blocks(path: Path) -> List[Block]:
-    """The fenced code blocks of a Markdown file, with the doc-test mark above each."""
-    lines = path.read_text().splitlines()
-    out, i = [], 0
-    while i < len(lines):
-        fence = re.match(r"^(```+|~~~+)\s*(.*)$", lines[i])
-        if not fence:
-            i += 1
-            continue
-        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence.group(1)), None)
-        assert end is not None, f"{path.name}:{i + 1}: unclosed code fence"
-        block = Block(str(path.relative_to(ROOT)), i + 1, fence.group(2).split()[0] if fence.group(2) else "",
-                      "\n".join(lines[i + 1:end]))
-        mark = MARK.match(lines[i - 1].strip()) if i else None
-        if mark:
-            block.mark = mark.group(1)
-            rest = mark.group(2).strip()
-            if block.mark == "skip":
-                block.reason = rest
-            else:
-                block.options = dict(kv.partition("=")[::2] for kv in shlex.split(rest))
-        out.append(block)
-        i = end + 1
-    return out
-
-
-ALL = [b for doc in DOCS for b in blocks(doc)]
-RUNNABLE = [b for b in ALL if b.lang in SHELL and b.mark == "run"]
 
 
 def test_every_shell_block_is_marked():
@@ -123,6 +72,7 @@ def test_every_shell_block_is_marked():
     problems += [f"{b.id}: unknown option {k!r} (known: {', '.join(OPTIONS)})"
                  for b in RUNNABLE for k in b.options if k not in OPTIONS]
     problems += elsewhere_problems()
+    run_by_tests()  # every run_doc_command in tests/ names exactly one documented command
     for doc in DOCS:
         fenced = False
         prev = ""
@@ -149,38 +99,10 @@ def elsewhere_problems() -> List[str]:
         same = SAME_AS.match(b.reason) if b.mark == "skip" else None
         if not same:
             continue
-        there = {" ".join(c.split()) for r in RUNNABLE if r.doc == same.group(1) for c in logical_lines(r.text)}
+        there = {squash(c) for r in RUNNABLE if r.doc == same.group(1) for c in logical_lines(r.text)}
         problems += [f"{b.id}: `{c}` is in no runnable block of {same.group(1)} (skip same as {same.group(1)})"
-                     for c in logical_lines(b.text) if " ".join(c.split()) not in there]
+                     for c in logical_lines(b.text) if squash(c) not in there]
     return problems
-
-
-def logical_lines(text: str) -> List[str]:
-    """Commands of a shell block: backslash continuations joined, comments and blank lines dropped."""
-    out, current = [], ""
-    for line in text.splitlines():
-        current += line
-        if current.endswith("\\"):
-            current = current[:-1] + " "
-            continue
-        command = strip_comment(current).strip()
-        if command:
-            out.append(command)
-        current = ""
-    return out
-
-
-def strip_comment(line: str) -> str:
-    """The line without a shell comment (a `#` starting a word outside quotes)."""
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i]
-    return line
 
 
 def program(command: str) -> Optional[str]:
@@ -221,34 +143,17 @@ def make_inputs(names: str, cwd: Path) -> None:
             raise AssertionError(f"files={names}: no input of the kind {name}")
 
 
-def workdir(tmp: Path) -> Path:
-    """A fresh directory that looks like the checkout: code linked, configs copied."""
-    for name in LINKED:
-        if (ROOT / name).exists():
-            (tmp / name).symlink_to(ROOT / name)
-    shutil.copytree(ROOT / "configs", tmp / "configs")
-    (tmp / ".setup-stamp").touch()  # the Makefile's set-up is done (this checkout's environment)
-    return tmp
-
-
-def environment() -> Dict[str, str]:
-    """As after `. .venv/bin/activate`: the running interpreter's bin first on PATH. One intra-op
-    thread per process (the suite shares 2 cores; idle OpenMP threads spin)."""
-    env = dict(os.environ, VIRTUAL_ENV=sys.prefix, PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    for var in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return env
-
-
 @pytest.mark.parametrize("block", [b for b in ALL if b.lang in SHELL], ids=lambda b: b.id)
 def test_doc_example(block, tmp_path):
     if block.mark != "run":
         pytest.skip(f"doc-test: skip {block.reason}")
+    commands = [c for c in logical_lines(block.text) if squash(c) not in run_by_tests()]
+    if not commands:
+        pytest.skip(f"every command runs in {', '.join(sorted({run_by_tests()[squash(c)] for c in logical_lines(block.text)}))}")
     cwd = workdir(tmp_path)
     if "files" in block.options:
         make_inputs(block.options["files"], cwd)
-    script = "\n".join(cheap(c) for c in logical_lines(block.text))
+    script = "\n".join(cheap(c) for c in commands)
     start = time.monotonic()
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=environment(),
                           capture_output=True, text=True, timeout=TIMEOUT_S)

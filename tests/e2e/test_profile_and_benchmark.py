@@ -1,6 +1,8 @@
 """tools/profile_comm.py writes a profile that `moe.schedule: auto` reads; benchmarks/moe_layer.py
 computes the same layer output on every row and moves exactly Parm's volumes (Parm §V-A, §IV).
-Small sizes: this checks results and bytes, not speed (the fit itself: tests/unit/test_calibrate.py)."""
+Small sizes: this checks results and bytes, not speed (the fit itself: tests/unit/test_calibrate.py).
+The benchmarks the README documents run as its commands (`run_doc_command`), with small sizes
+appended."""
 import importlib.util
 import json
 import os
@@ -14,6 +16,7 @@ from megatron_moe.config import load_config, validate_config
 from megatron_moe.perf.alpha_beta import fit_alpha_beta
 from megatron_moe.perf.calibrate import WIDTH
 from megatron_moe.perf.hardware import OPS, load_profile
+from tests.doc_blocks import run_doc_command
 
 pytestmark = pytest.mark.e2e
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -130,12 +133,11 @@ def test_benchmark_deepspeed_row_computes_the_same_layer():
         assert out["results"]["deepspeed"]["max_abs_diff_vs_baseline"] < 1e-5
 
 
-def test_proprophet_planner_benchmark_reports_speed_and_quality():
+def test_proprophet_planner_benchmark_reports_speed_and_quality(tmp_path):
     """benchmarks/proprophet_planner.py (issue #10): the shipped 2-process CPU profile drives the
     cost model; Alg. 1's plans balance the skewed loads and stay near the exhaustive optimum."""
-    proc = subprocess.run([sys.executable, "benchmarks/proprophet_planner.py", "--sizes", "8x2,64x64", "--reps", "2",
-                           "--quality-cases", "30"], capture_output=True, text=True, timeout=240, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_doc_command("README.md", "benchmarks/proprophet_planner.py", "--sizes", "8x2,64x64", "--reps", "2",
+                           "--quality-cases", "30", cwd=tmp_path)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out["speed"]) == {"8x2", "64x64"}
     for size in out["speed"].values():
@@ -152,8 +154,8 @@ def test_proprophet_model_check_predicts_eq_1_to_5(tmp_path):
     profile = tmp_path / "p.yaml"
     profile.write_text("name: p\np2p: {alpha: 1.0e-4, beta: 2.0e-9}\nexpert_compute: {alpha: 1.0e-4, beta: 5.0e-11}\n")
     hidden, ffn, rows = 32, 64, 256
-    stdout = torchrun(2, "tools/proprophet_model_check.py", "--hidden", str(hidden), "--ffn", str(ffn), "--rows",
-                      str(rows), "--skews", "0,1.6", "--reps", "2", "--profile", str(profile))
+    stdout = run_doc_command("README.md", "tools/proprophet_model_check.py", "--hidden", hidden, "--ffn", ffn, "--rows",
+                             rows, "--skews", "0,1.6", "--reps", "2", "--profile", profile, cwd=tmp_path).stdout
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["world_size"] == 2 and len(out["cases"]) == 2
     for case in out["cases"]:
@@ -233,13 +235,14 @@ def test_expert_scaling_sweeps_the_number_of_experts(tmp_path):
     assert results["8"]["local_parameters"] > results["4"]["local_parameters"]
 
 
-def test_lancet_benchmark_defers_wgrad_without_changing_gradients():
+def test_lancet_benchmark_defers_wgrad_without_changing_gradients(tmp_path):
     """benchmarks/lancet.py (issue #12): the same GPT-MoE plain, with `moe.lancet.defer_wgrad`, with
     2 batch parts and with both; the deferred dW ran inside backward all-to-alls, the parts'
     forward all-to-alls partly under the other part's computation, and every gradient is the plain
     model's."""
-    out = json.loads(torchrun(2, "benchmarks/lancet.py", "--expert", "2", "--reps", "2", "--warmup", "0",
-                              "--batch", "2").strip().splitlines()[-1])["results"]
+    stdout = run_doc_command("README.md", "benchmarks/lancet.py", "--reps", "2", "--warmup", "0", "--batch", "2",
+                             cwd=tmp_path).stdout  # README's: 2 processes, --expert 2
+    out = json.loads(stdout.strip().splitlines()[-1])["results"]
     assert out["max_abs_grad_diff"] < 1e-6
     assert out["partitions"]["segments"] == [[0, 3, 2], [3, 4, 2]]  # range 1 on 2 MoE layers
     assert out["partitions"]["a2a_exposed_ms_forward"] < out["partitions"]["a2a_total_ms_forward"]
@@ -261,16 +264,14 @@ def test_grouped_gemm_benchmark_compares_the_dw_kernels():
     assert results["64x64x8x16"]["padding_pays"] and not results["8x256x8x16"]["padding_pays"]  # 1 vs 32 rows a group
 
 
-def test_pipeline_benchmark_reports_the_bubble_next_to_its_formula():
+def test_pipeline_benchmark_reports_the_bubble_next_to_its_formula(tmp_path):
     """benchmarks/pipeline.py (issue #14): 1F1B and interleaved rows on 2 stages, each with the
     ideal bubble (p-1)/(vm+p-1), the measured and simulated ones, the cluster simulator's prediction
     and the exact activation bytes."""
     shape = ["--override", "model.hidden_size=32", "--override", "model.ffn_hidden_size=64", "--override",
              "moe.expert_ffn_hidden_size=64", "--override", "model.seq_length=16", "--override", "model.num_layers=4"]
-    proc = subprocess.run([sys.executable, "benchmarks/pipeline.py", "--micro-batches", "2", "--iters", "2",
-                           "--warmup", "1", "--memory-nproc", "0", *shape], capture_output=True, text=True,
-                          timeout=240, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_doc_command("README.md", "benchmarks/pipeline.py", "--micro-batches", "2", "--iters", "2",
+                           "--warmup", "1", "--memory-nproc", "0", *shape, cwd=tmp_path)
     rows = {r["schedule"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["bubble"]}
     assert rows["1f1b"]["bubble_ideal"] == pytest.approx(1 / 3, abs=1e-4)  # (2-1)/(2+2-1)
     assert rows["interleaved"]["bubble_ideal"] == pytest.approx(1 / 5, abs=1e-4)  # (2-1)/(2*2+2-1)

@@ -25,6 +25,7 @@ from megatron_moe.sim.results import candidate_options
 from megatron_moe.sim.runner import Simulation, keep_pieces
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.sim.traces import RecordedTrace, SyntheticTrace, largest_remainder, split_even
+from tests.doc_blocks import run_doc_command
 
 CLUSTER = """name: c
 expert_compute: {alpha: 0.0, beta: 1.0e-12}
@@ -328,17 +329,15 @@ def test_simulate_cli_recommends_and_writes_plots(tmp_path):
 
 
 def test_reproduce_papers_writes_the_document(tmp_path):
-    """tools/reproduce_papers.py (--quick: a few configurations): the paper's figure, ours, the
-    ratio and the trend checks per experiment, and the numbers as JSON."""
+    """tools/reproduce_papers.py (--quick: a few configurations), the README's command: the paper's
+    figure, ours, the ratio and the trend checks per experiment, and the numbers as JSON."""
     out = tmp_path / "reproduce.md"
-    proc = subprocess.run([sys.executable, "tools/reproduce_papers.py", "--quick", "--only",
-                           "parm,lancet,flexmoe,proprophet", "--out", str(out)], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_doc_command("README.md", "tools/reproduce_papers.py", "--quick", "--out", out, cwd=tmp_path, timeout=300)
     doc = out.read_text()
     for needle in ("## Parm Table IV", "| S1 | 2 | 2 | A8 | 2.10x |", "## Lancet Fig. 13", "up to 83%",
                    "Trends (the paper's claim", "What differs and why", "## Summary", "## FlexMoE Fig. 5",
-                   "FlexMoE's moves ms: exposed / total", "## Pro-Prophet Tables IV-V", "MoE layers' share"):
+                   "FlexMoE's moves ms: exposed / total", "## Pro-Prophet Tables IV-V", "MoE layers' share",
+                   "## FasterMoE Fig. 13", "## Parm S2 + SAA with each balancer"):
         assert needle in doc, needle
     numbers = json.loads(proc.stdout.strip().splitlines()[-1])
     assert numbers["parm"]["S1 mp4 esp4 A8"] > numbers["parm"]["S1 mp2 esp2 A8"] > 1  # S1 beats the baseline
@@ -351,6 +350,11 @@ def test_reproduce_papers_writes_the_document(tmp_path):
     for v in numbers["proprophet"].values():  # the balancers balance, DeepSpeed-MoE does not
         ratios = v["balance_ratio"]
         assert ratios["Pro-Prophet"] < ratios["FasterMoE"] <= ratios["DeepSpeed-MoE"] and 0 < v["moe_share"] < 1
+    # --quick: johnny (16 GPUs) only; shadowing and the smart schedule each speed the MoE layers up
+    assert all(numbers["fastermoe"][f"johnny {name}"]["mean"] > 1 for name in ("shadowing", "smart", "both"))
+    combined = numbers["combination"]  # S2 + SAA beats the baseline schedule, and a balancer S2 + SAA alone
+    assert combined["S2+SAA"]["iteration_ms"] < combined["baseline schedule"]["iteration_ms"]
+    assert combined["S2+SAA + proprophet"]["balance_ratio"] < combined["S2+SAA"]["balance_ratio"]
 
 
 def test_best_effort_moves_expose_what_the_forward_before_their_layer_leaves(cluster_profile, tmp_path):
