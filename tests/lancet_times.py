@@ -1,6 +1,6 @@
 """Injected op times for Lancet's `partition_range: auto` (techniques/lancet/lancet_partition.py), so that the
 dynamic program picks segments on any machine, however loaded (tests/unit/test_lancet.py,
-tests/e2e/test_vexperts.py through `sitecustomize`).
+tests/e2e/test_vexperts.py as a hook of its ranks).
 
 The real measurement still runs (every sublayer at 1..k parts, the max-reduce over the stage's
 ranks); its times are then replaced by ones where overlap pays: every sublayer 1/k s per part plus
@@ -29,5 +29,5 @@ def measure_injected(partitioner, *args, **kwargs) -> List[Instruction]:
 
 
 def inject() -> None:
-    """For a whole process (the e2e runs' `sitecustomize`)."""
+    """For a whole process (the e2e ranks' hook: tests/forkserver.py `run_script`)."""
     ForwardPartitioner.measure = measure_injected

@@ -11,10 +11,8 @@ rank's GPU under NCCL, else the CPU) and `backend()` the backend (for a config's
 `parallel.backend`). Worker exceptions are re-raised in the parent with the worker's traceback; a
 hard timeout kills everything. NCCL needs a GPU per rank: with fewer, the test is skipped.
 
-Workers start from a forkserver that has imported torch and megatron_moe once (`PRELOAD`): a
-fresh interpreter per rank would spend ~3 s of CPU importing them again, which on 2 cores was a
-large part of the suite. The server only imports: it holds no OpenMP pool, CUDA context or process
-group when a worker forks from it (the state a DataLoader forks its workers from).
+Workers fork from the test process's forkserver (`tests/forkserver.py`), which has imported torch
+and megatron_moe once: a fresh interpreter per rank would spend ~3.5 s of CPU importing them again.
 
 `BACKENDS` parametrizes a test over both: gloo, and NCCL marked `gpu` (run by `make test-gpu`,
 skipped without enough GPUs, deselected by `make test`).
@@ -30,15 +28,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from tests import forkserver
 
 
-# imported once by the forkserver each test process starts; every worker forks from it
-PRELOAD = ["torch", "torch.distributed", "megatron_moe.plugins", "megatron_moe.training.trainer",
-           "megatron_moe.training.entry", "tests.distributed.harness"]
 BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)]
 _BACKEND, _DEVICE = "gloo", torch.device("cpu")  # this worker's (set by `_worker`)
 
@@ -89,8 +84,7 @@ def run_distributed(world_size: int, fn: Callable, layout_kwargs: Optional[Dict[
     one GPU per rank); return results in rank order (tensors on the CPU)."""
     if backend == "nccl":
         require_gpus(world_size)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process first starts the server
+    ctx = forkserver.context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

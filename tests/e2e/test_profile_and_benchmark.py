@@ -30,23 +30,23 @@ def torchrun(nproc, *args, timeout=240):
 
 
 def test_profile_comm_writes_a_profile_that_auto_reads(tmp_path):
+    """docs/parm.md's command (8 processes: tensor 2 x expert 2 x expert-shard 2), small sizes."""
     out = tmp_path / "profile.yaml"
-    torchrun(4, "tools/profile_comm.py", "--tensor", "2", "--expert", "2", "--min-elements", "1024",
-             "--max-elements", "16384", "--points", "3", "--reps", "2", "--hidden", "32", "--ffn", "64",
-             "--rows", "64,256", "--out", str(out))
+    run_doc_command("docs/parm.md", "tools/profile_comm.py", "--min-elements", "1024", "--max-elements", "16384",
+                    "--points", "3", "--reps", "2", "--hidden", "32", "--ffn", "64", "--rows", "64,256", "--out", out,
+                    cwd=tmp_path)
     profile = load_profile(str(out))
-    assert profile.fit["layout"] == {"tensor": 2, "expert": 2, "expert_shard": 1} and profile.fit["world_size"] == 4
+    assert profile.fit["layout"] == {"tensor": 2, "expert": 2, "expert_shard": 2} and profile.fit["world_size"] == 8
     for op in OPS:
         points = profile.fit["points"][op]
-        if op == "expert_compute":  # the rows asked for (64, 256) x FLOPs per row of h 32, f 64 (gelu)
-            assert points["x"] == [64 * 2 * 32 * 64 * 2, 256 * 2 * 32 * 64 * 2], op
+        if op == "expert_compute":  # the rows asked for (64, 256) x FLOPs per row of h 32, f 64 / esp 2 (gelu)
+            assert points["x"] == [64 * 2 * 32 * 32 * 2, 256 * 2 * 32 * 32 * 2], op
         else:  # the sizes asked for (1024, 4096, 16384), rounded to whole rows of WIDTH elements per rank
             assert points["x"] == [1024, 4096, 16384], op
             assert all(e % WIDTH == 0 for e in points["x"])
         # the profile holds the least-squares fit of exactly the points it records
         refit = fit_alpha_beta(points["x"], points["seconds"])
-        fitted = getattr(profile, op)
-        assert (fitted.alpha, fitted.beta, fitted.r2) == pytest.approx((refit.alpha, refit.beta, refit.r2), rel=1e-4), op
+        assert getattr(profile, op) == refit, op
     cfg = load_config("configs/gpt_moe_tiny.yaml", ["moe.schedule=auto", f"perf.hardware_profile={out}",
                                                     "parallel.tensor=2", "parallel.expert=2", "moe.balancer=fastermoe"])
     validate_config(cfg, 4)

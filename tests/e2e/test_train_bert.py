@@ -1,14 +1,13 @@
 """pretrain_bert_moe.py on the embedded corpus (sentence level): MLM + sentence-order losses fall,
 and the same seed gives the same losses and grad norm on 1 process and under tensor=2 and
-expert=2 x expert_shard=2 (torchrun, gloo)."""
+expert=2 x expert_shard=2 (gloo; ranks forked with torchrun's environment: test_train_cli.launch_ranks)."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.test_train_cli import launch_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -20,12 +19,8 @@ INVARIANCE = ["training.train_iters=3", "training.log_interval=1", "training.eva
 
 
 def train(nproc, overrides, run_dir):
-    cmd = [sys.executable, "pretrain_bert_moe.py"]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "pretrain_bert_moe.py"]
-    proc = subprocess.run(cmd + CONFIG + overrides + [f"training.run_dir={run_dir}"], cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400)
+    """`pretrain_bert_moe.py` on `nproc` ranks, forked as test_train_cli.launch_ranks does."""
+    proc = launch_ranks(nproc, overrides + [f"training.run_dir={run_dir}"], 400, "pretrain_bert_moe.py", CONFIG)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]

@@ -7,14 +7,13 @@ the optimizer step until the layer's next forward, and the checkpoint is taken w
 lands first). The expert=4 and tensor=2 runs also defer weight gradients and partition the forward
 into 2 batch parts (Lancet, `moe.lancet.defer_wgrad` / `partitions`, issue #12), which must not
 change a number either, and report backward all-to-all time that is partly hidden."""
-import os
 
 import pytest
 
 from megatron_moe.convert.offline import read_checkpoint, reshard
 from megatron_moe.training.checkpoint import read_meta
 from tests.checkpoint_helpers import cheap_moves_profile
-from tests.e2e.test_train_cli import INVARIANCE, ROOT, train
+from tests.e2e.test_train_cli import INVARIANCE, train
 
 pytestmark = pytest.mark.e2e
 # 20 iterations, 4 micro-batches of 2 per iteration on one process, checkpoints after 10 and 20
@@ -34,16 +33,6 @@ LAYOUTS = {"ep2": (2, ["parallel.expert=2"]),
 BALANCERS = {"flexmoe": lambda tmp: ["moe.balancer=flexmoe", "moe.flexmoe.threshold=1.0", "moe.flexmoe.interval=1",
                                      "moe.flexmoe.moves=best_effort", f"perf.hardware_profile={cheap_moves_profile(tmp)}"],
              "eplb": lambda tmp: ["moe.balancer=eplb", "moe.eplb.interval=2"]}
-
-
-def _inject_lancet_times(tmp_path, monkeypatch) -> None:
-    """The ranks' `partition_range: auto` plans on injected op times (tests/lancet_times.py, through
-    a `sitecustomize` on PYTHONPATH), so that it partitions on any machine, however loaded."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("from tests.lancet_times import inject\ninject()\n")
-    paths = [str(site), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
 
 
 def _same_curve(got, ref, rel):
@@ -96,15 +85,16 @@ RUNS = [("ep2", "flexmoe"), ("ep2", "eplb"), ("ep4-lancet", "eplb"), ("tp2-ep2-e
 
 
 @pytest.mark.parametrize("layout,balancer", RUNS, ids=[f"{layout}-{balancer}" for layout, balancer in RUNS])
-def test_vexperts_train_like_one_process(balancer, layout, reference, tmp_path, monkeypatch):
+def test_vexperts_train_like_one_process(balancer, layout, reference, tmp_path):
     ref_records, ref_ckpt = reference
     nproc, overrides = LAYOUTS[layout]
     images = ["logging.image_interval=10"] if (layout, balancer) == ("ep2", "eplb") else []
+    # `partition_range: auto` plans on injected op times (tests/lancet_times.py), so that it
+    # partitions on any machine, however loaded
     auto = "moe.lancet.partition_range=auto" in overrides
-    if auto:
-        _inject_lancet_times(tmp_path, monkeypatch)
     records, out = train(nproc, RUN + overrides + BALANCERS[balancer](tmp_path) + images +
-                         [f"checkpoint.dir={tmp_path / 'ckpt'}"], tmp_path / "run")
+                         [f"checkpoint.dir={tmp_path / 'ckpt'}"], tmp_path / "run",
+                         hooks=["tests.lancet_times:inject"] if auto else [])
     if auto:  # the dynamic program picked each layer's [attention, MoE FFN] as 2 batch parts
         assert ("lancet: partitioned forward segments (auto): [attention 0 .. moe 0] x2, [attention 1 .. moe 1] x2"
                 in out), out[-2000:]
