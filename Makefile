@@ -25,7 +25,7 @@ demo: setup
 # test-gpu, the full multi-node set to test-cluster (its two smoke tests run here too).
 # TEST_WORKERS pytest-xdist workers, one test file each at a time (module fixtures spawn once):
 # tests wait on process start-up, ranks, SLURM and timeouts: on 2 cores, 3 workers ran the suite
-# in 20:49 against 22:29 for 2 (the same checkout, one after the other)
+# in 20:49 against 22:29 for 2 (the same checkout, one after the other); 13:42 once e2e ranks forked
 TEST_WORKERS ?= 3
 test: setup
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu and not cluster" -n $(TEST_WORKERS) --dist loadfile tests
