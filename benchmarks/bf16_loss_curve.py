@@ -9,11 +9,17 @@ Reported: per precision the losses at a few iterations and the run time; over al
 the relative gap |bf16 - fp32| / fp32: `max_rel_gap` (and where), `mean_rel_gap`,
 `iterations_over_1pct`; `max_rel_gap_smoothed`, the largest gap between the curves' running means
 of --window iterations (what a loss plot shows), and `final_rel_gap` of the last window's means. Prints one JSON object (docs/precision.md keeps one).
+
+`--noise` also trains fp32 again with another intra-op thread count (1, or 2 if the first run
+had 1): only the order in which multi-threaded kernels accumulate differs. Its gaps to the first fp32 run
+(`fp32_noise`) are what rounding alone does to the curve, the scale to read bf16's against.
 """
 import argparse
 import json
 import sys
 import tempfile
+
+import torch
 
 from megatron_moe.config import load_config
 from megatron_moe.distributed.parallel_state import ParallelState
@@ -28,13 +34,15 @@ def parse_args(argv=None):
     p.add_argument("--config", default="configs/gpt_moe_tiny.yaml")
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--window", type=int, default=10, help="running-mean window of the smoothed gap")
+    p.add_argument("--noise", action="store_true",
+                   help="also fp32 with another thread count: the gap that rounding order alone makes")
     return p.parse_args(argv)
 
 
-def run(args, precision: str, tmp: str):
+def run(args, precision: str, tmp: str, name: str = ""):
     cfg = load_config(args.config, [f"training.train_iters={args.iters}", "training.log_interval=1",
                                     "training.eval_interval=0", "logging.tensorboard=false",
-                                    f"training.run_dir={tmp}/{precision}", f"training.precision={precision}"]
+                                    f"training.run_dir={tmp}/{name or precision}", f"training.precision={precision}"]
                       + list(args.overrides))
     trainer = Trainer(cfg, ParallelState.single_process())
     with timing.wall() as took:
@@ -46,6 +54,15 @@ def running_mean(xs, window):
     return [sum(xs[max(0, i - window + 1): i + 1]) / len(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
 
 
+def gap_stats(ref, other, window: int) -> dict:
+    """Relative gaps |other - ref| / ref per iteration and of the `window`-iteration running means."""
+    gaps = [abs(b - f) / f for f, b in zip(ref, other)]
+    smooth_gaps = [abs(b - f) / f for f, b in zip(running_mean(ref, window), running_mean(other, window))]
+    return {"max_rel_gap": round(max(gaps), 5), "max_rel_gap_iteration": gaps.index(max(gaps)) + 1,
+            "mean_rel_gap": round(sum(gaps) / len(gaps), 5), "iterations_over_1pct": sum(g > 0.01 for g in gaps),
+            "max_rel_gap_smoothed": round(max(smooth_gaps), 5), "final_rel_gap": round(smooth_gaps[-1], 5)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     machine = machine_info()
@@ -54,20 +71,21 @@ def main(argv=None) -> int:
         for precision in ("fp32", "bf16"):
             print(f"training {args.iters} iterations in {precision}", file=sys.stderr, flush=True)
             curves[precision], seconds[precision] = run(args, precision, tmp)
-    fp32, bf16 = curves["fp32"], curves["bf16"]
-    gaps = [abs(b - f) / f for f, b in zip(fp32, bf16)]
-    smooth = {p: running_mean(c, args.window) for p, c in curves.items()}
-    smooth_gaps = [abs(b - f) / f for f, b in zip(smooth["fp32"], smooth["bf16"])]
+        if args.noise:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1 if threads > 1 else 2)
+            print(f"training {args.iters} iterations in fp32 on {torch.get_num_threads()} threads", file=sys.stderr,
+                  flush=True)
+            noise, _ = run(args, "fp32", tmp, "fp32_noise")
+            torch.set_num_threads(threads)
     marks = sorted({1, 10, 50, 100, 200, args.iters} & set(range(1, args.iters + 1)))
-    print(json.dumps({
-        "config": {"config": args.config, "iters": args.iters, "overrides": args.overrides, "window": args.window},
-        "machine": dict(machine, load_average=[machine["load_average"], load_average()]),
-        "loss_at": {p: {str(i): round(c[i - 1], 4) for i in marks} for p, c in curves.items()},
-        "seconds": {p: round(s, 1) for p, s in seconds.items()},
-        "max_rel_gap": round(max(gaps), 5), "max_rel_gap_iteration": gaps.index(max(gaps)) + 1,
-        "mean_rel_gap": round(sum(gaps) / len(gaps), 5), "iterations_over_1pct": sum(g > 0.01 for g in gaps),
-        "max_rel_gap_smoothed": round(max(smooth_gaps), 5),
-        "final_rel_gap": round(smooth_gaps[-1], 5)}))
+    out = {"config": {"config": args.config, "iters": args.iters, "overrides": args.overrides, "window": args.window},
+           "machine": dict(machine, load_average=[machine["load_average"], load_average()]),
+           "loss_at": {p: {str(i): round(c[i - 1], 4) for i in marks} for p, c in curves.items()},
+           "seconds": {p: round(s, 1) for p, s in seconds.items()}, **gap_stats(curves["fp32"], curves["bf16"], args.window)}
+    if args.noise:
+        out["fp32_noise"] = gap_stats(curves["fp32"], noise, args.window)
+    print(json.dumps(out))
     return 0
 
 
