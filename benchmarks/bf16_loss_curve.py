@@ -11,8 +11,8 @@ the relative gap |bf16 - fp32| / fp32: `max_rel_gap` (and where), `mean_rel_gap`
 of --window iterations (what a loss plot shows), and `final_rel_gap` of the last window's means. Prints one JSON object (docs/precision.md keeps one).
 
 `--noise` also trains fp32 again with another intra-op thread count (1, or 2 if the first run
-had 1): only the order in which multi-threaded kernels accumulate differs. Its gaps to the first fp32 run
-(`fp32_noise`) are what rounding alone does to the curve, the scale to read bf16's against.
+had 1): only the order in which multi-threaded kernels accumulate differs. Its gaps to the first
+fp32 run (`fp32_noise`) are what rounding alone does to the curve, the scale to read bf16's against.
 """
 import argparse
 import json
@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     out = {"config": {"config": args.config, "iters": args.iters, "overrides": args.overrides, "window": args.window},
            "machine": dict(machine, load_average=[machine["load_average"], load_average()]),
            "loss_at": {p: {str(i): round(c[i - 1], 4) for i in marks} for p, c in curves.items()},
-           "seconds": {p: round(s, 1) for p, s in seconds.items()}, **gap_stats(curves["fp32"], curves["bf16"], args.window)}
+           "seconds": {p: round(s, 1) for p, s in seconds.items()},
+           **gap_stats(curves["fp32"], curves["bf16"], args.window)}
     if args.noise:
         out["fp32_noise"] = gap_stats(curves["fp32"], noise, args.window)
     print(json.dumps(out))

@@ -147,9 +147,11 @@ def make_inputs(names: str, cwd: Path) -> None:
 def test_doc_example(block, tmp_path):
     if block.mark != "run":
         pytest.skip(f"doc-test: skip {block.reason}")
-    commands = [c for c in logical_lines(block.text) if squash(c) not in run_by_tests()]
+    elsewhere = run_by_tests()  # command -> the test file that runs it
+    commands = [c for c in logical_lines(block.text) if squash(c) not in elsewhere]
     if not commands:
-        pytest.skip(f"every command runs in {', '.join(sorted({run_by_tests()[squash(c)] for c in logical_lines(block.text)}))}")
+        tests = sorted({elsewhere[squash(c)] for c in logical_lines(block.text)})
+        pytest.skip(f"every command runs in {', '.join(tests)}")
     cwd = workdir(tmp_path)
     if "files" in block.options:
         make_inputs(block.options["files"], cwd)

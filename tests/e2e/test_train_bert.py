@@ -3,7 +3,6 @@ and the same seed gives the same losses and grad norm on 1 process and under ten
 expert=2 x expert_shard=2 (gloo; ranks forked with torchrun's environment: test_train_cli.launch_ranks)."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,6 @@ from tests.e2e.test_train_cli import launch_ranks
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ["--config", "configs/bert_moe_tiny.yaml"]
 INVARIANCE = ["training.train_iters=3", "training.log_interval=1", "training.eval_interval=0",
               "training.micro_batch_size=1", "training.global_batch_size=4", "model.seq_length=32",
@@ -20,7 +18,8 @@ INVARIANCE = ["training.train_iters=3", "training.log_interval=1", "training.eva
 
 def train(nproc, overrides, run_dir):
     """`pretrain_bert_moe.py` on `nproc` ranks, forked as test_train_cli.launch_ranks does."""
-    proc = launch_ranks(nproc, overrides + [f"training.run_dir={run_dir}"], 400, "pretrain_bert_moe.py", CONFIG)
+    proc = launch_ranks(nproc, overrides + [f"training.run_dir={run_dir}"], timeout=400, script="pretrain_bert_moe.py",
+                        config=CONFIG)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]

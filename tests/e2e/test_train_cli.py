@@ -1,5 +1,5 @@
 """The real entry point, `pretrain_gpt_moe.py`, on 1 process and on several ranks (gloo, CPU):
-under torchrun for the config errors, else forked from a forkserver that imported torch once,
+a fresh interpreter for the config error, else forked from a forkserver that imported torch once,
 with torchrun's worker environment (`launch_ranks`: CI time).
 
 * a bad config exits with code 2 and one line naming the keys, no traceback;
@@ -38,14 +38,11 @@ INVARIANCE = ["training.train_iters=4", "training.log_interval=1", "training.eva
 NCCL = ["parallel.backend=nccl"]  # one process per GPU (make test-gpu)
 
 
-def run_cli(nproc, overrides, timeout=300):
-    cmd = [sys.executable, "pretrain_gpt_moe.py"]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "pretrain_gpt_moe.py"]
+def run_cli(overrides, timeout=300):
+    """`python pretrain_gpt_moe.py` in a fresh interpreter, one process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd + CONFIG + overrides, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "pretrain_gpt_moe.py"] + CONFIG + overrides, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def launch_ranks(nproc, overrides, timeout=300, script="pretrain_gpt_moe.py", config=CONFIG, hooks=()):
@@ -99,7 +96,7 @@ def train(nproc, overrides, run_dir, hooks=()):
 
 
 def test_bad_config_exits_2_with_one_line():
-    proc = run_cli(1, ["parallel.expert=3", "moe.num_experts=8"], timeout=120)
+    proc = run_cli(["parallel.expert=3", "moe.num_experts=8"], timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
