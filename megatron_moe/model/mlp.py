@@ -26,10 +26,36 @@ def ffn_units_shape(ffn_hidden_size: int, activation: str) -> Tuple[int, ...]:
     return (2, ffn_hidden_size) if activation == "swiglu" else (ffn_hidden_size,)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of x `[..., 2f]` = (gate half, up half) -> `[..., f]`, saving what autograd
+    would (gate, up, silu(gate)). Backward writes d gate and d up into the two halves of one
+    `[..., 2f]` gradient, where autograd through `chunk` computes each apart and then concatenates
+    them (a copy of the whole `[m, 2f]` gradient per layer: docs/performance.md, "bf16"); the
+    values are autograd's, bit for bit (the same kernels: `silu_backward` of grad * up, grad * silu)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = x.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, activated = ctx.saved_tensors
+        dx = grad.new_empty(grad.shape[:-1] + (2 * grad.shape[-1],))  # [..., 2f]
+        d_gate, d_up = dx.chunk(2, dim=-1)
+        torch.mul(grad, activated, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return dx
+
+
 def ffn_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
     """gelu: `[..., f] -> [..., f]`; swiglu: `[..., 2f]` = (gate half, up half) -> `[..., f]`."""
     if activation == "swiglu":
-        gate, up = x.chunk(2, dim=-1)
+        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+            return _SwiGLU.apply(x)
+        gate, up = x.chunk(2, dim=-1)  # no gradient, or traced: Inductor fuses the plain formula
         return F.silu(gate) * up
     return F.gelu(x)
 

@@ -46,17 +46,19 @@ def _bf16(x: torch.Tensor, weight: torch.Tensor, apex) -> bool:
 
 class _Bf16Norm(torch.autograd.Function):
     """LayerNorm (`rms=False`) or RMSNorm of bf16 x [..., h] in fp32; saves x (bf16) and the fp32
-    statistics [..., 1]; returns bf16. Backward: the textbook gradients, in fp32."""
+    statistics [..., 1]; returns bf16. Backward: the textbook gradients, in fp32. Each direction
+    works in place on its one fp32 copy of its input (x, dy): the same operations in the same
+    order as the out-of-place formulas, so the same bits, with fewer fresh `[..., h]` buffers."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, rms: bool):
-        x32 = x.float()
+        x32 = x.float()  # [..., h], this function's own
         mean = None if rms else x32.mean(-1, keepdim=True)
-        centred = x32 if rms else x32 - mean
-        rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
-        y = centred * rstd * weight.float()
+        centred = x32 if rms else x32.sub_(mean)
+        rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True).add_(eps))  # [..., 1]
+        y = centred.mul_(rstd).mul_(weight.float())
         if bias is not None:
-            y = y + bias.float()
+            y = y.add_(bias.float())
         ctx.save_for_backward(x, weight, rstd, *(() if rms else (mean,)))
         ctx.has_bias, ctx.rms = bias is not None, rms
         return y.to(x.dtype)
@@ -65,16 +67,18 @@ class _Bf16Norm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd, *mean = ctx.saved_tensors
         x32 = x.float()
-        xhat = (x32 if ctx.rms else x32 - mean[0]) * rstd  # [..., h]
-        dy32 = dy.float()
-        rows = dy32.reshape(-1, dy32.shape[-1])
-        dweight = (rows * xhat.reshape(rows.shape)).sum(0).to(weight.dtype)
+        xhat = (x32 if ctx.rms else x32.sub_(mean[0])).mul_(rstd)  # [..., h]
+        g = dy.to(torch.float32, copy=True)  # this function's own: worked on in place
+        rows = g.reshape(-1, g.shape[-1])
+        product = rows * xhat.reshape(rows.shape)  # [n, h], reused below
+        dweight = product.sum(0).to(weight.dtype)
         dbias = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
-        g = dy32 * weight.float()
-        dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+        g = g.mul_(weight.float())  # dy * weight
+        c = torch.mul(g, xhat, out=product.view(g.shape)).mean(-1, keepdim=True)
+        dx = xhat.mul_(c.neg_()).add_(g)  # g - xhat * mean(g * xhat)
         if not ctx.rms:
-            dx = dx - g.mean(-1, keepdim=True)
-        return (dx * rstd).to(x.dtype), dweight, dbias, None, None
+            dx = dx.sub_(g.mean(-1, keepdim=True))
+        return dx.mul_(rstd).to(x.dtype), dweight, dbias, None, None
 
 
 class LayerNorm(torch.nn.Module):

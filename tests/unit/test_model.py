@@ -301,3 +301,26 @@ def test_rotary_node_matches_complex_rotation(dtype):
         for got, want in ((y, y64), (dx, dx64)):
             err = (got.double() - want).abs().max() / want.abs().max()
             assert err <= tol, (shape, float(err))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_node_is_autograd_bit_for_bit(dtype):
+    """`ffn_activation`'s SwiGLU node (model/mlp.py) writes d gate and d up into the halves of one
+    gradient: output and input gradient equal autograd through silu(gate) * up exactly, and it
+    saves no more than autograd does (gate, up, silu(gate))."""
+    from megatron_moe.model.mlp import ffn_activation
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 2 * 24, generator=gen).to(dtype).requires_grad_(True)
+    dy = torch.randn(37, 24, generator=gen).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        y = ffn_activation(x, "swiglu")
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x_ref = x.detach().requires_grad_(True)
+    gate, up = x_ref.chunk(2, dim=-1)
+    y_ref = torch.nn.functional.silu(gate) * up
+    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, dy)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert sum(t.numel() for t in saved) == 3 * y.numel()
+    with torch.no_grad():  # no gradient: the plain formula, no node
+        assert torch.equal(ffn_activation(x, "swiglu"), y_ref)

@@ -91,10 +91,21 @@ class RunHooks:
             fn()
 
 
+def gate_weighted_sum(rows: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """The gate-weighted combine: rows [m, h] aligned with `slots` (Long[m], token * k + choice)
+    and combine weights [n, k] -> [n, h], token t's row sum_c weights[t, c] * row of slot t * k + c
+    (fp32 when the weights are: bf16 rows are summed in fp32)."""
+    k = weights.shape[1]
+    weighted = rows * weights.flatten().index_select(0, slots).unsqueeze(1)
+    return weighted.new_zeros((n, rows.shape[1])).index_add_(0, slots // k, weighted)  # in place: no copy of the zeros
+
+
 class Schedule(ABC):
     expert_grad_scale: float = 1.0  # multiplies expert weight gradients
     hooks: RunHooks = RunHooks()  # this forward's (set by `run`)
     wgrad = None  # Lancet's WGradScheduler (techniques/lancet/lancet.py): its `fill` runs during backward all-to-alls
+    # the gate-weighted combine (`gate_weighted_sum`); training.compile puts a compiled one here (model/compile.py)
+    weighted_sum: Callable[..., torch.Tensor] = staticmethod(gate_weighted_sum)
 
     def backward_fill(self):
         """What runs while a backward all-to-all is in flight (`fill(elements)`), or None."""
@@ -204,12 +215,3 @@ def permute_rows(rows: torch.Tensor, perm: Optional[torch.Tensor], inverse: bool
     if perm is None:
         return rows
     return rows.index_select(0, inverse_permutation(perm) if inverse else perm)
-
-
-def gate_weighted_sum(rows: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
-    """The gate-weighted combine: rows [m, h] aligned with `slots` (Long[m], token * k + choice)
-    and combine weights [n, k] -> [n, h], token t's row sum_c weights[t, c] * row of slot t * k + c
-    (fp32 when the weights are: bf16 rows are summed in fp32)."""
-    k = weights.shape[1]
-    weighted = rows * weights.flatten().index_select(0, slots).unsqueeze(1)
-    return weighted.new_zeros((n, rows.shape[1])).index_add_(0, slots // k, weighted)  # in place: no copy of the zeros

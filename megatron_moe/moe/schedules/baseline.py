@@ -40,7 +40,7 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import (EXCHANGES, Routed, Schedule, gate_weighted_sum, permute_rows,
+from megatron_moe.moe.schedules.base import (EXCHANGES, Routed, Schedule, permute_rows,
                                              slots_by_expert, unless_identity)
 from megatron_moe.tensor_parallel import reduce_from_tp_region
 
@@ -114,7 +114,7 @@ class PerCopy:
         """Rows as returned [m, h] -> gate-weighted combine of G_p's rows [n_G, h]."""
         routed = ctx.routed
         rows = permute_rows(returned, ctx.send_order, inverse=True)  # [m, h] aligned with routed.slots
-        return gate_weighted_sum(rows, routed.weights, routed.slots, routed.weights.shape[0])
+        return self.schedule.weighted_sum(rows, routed.weights, routed.slots, routed.weights.shape[0])
 
 
 @SCHEDULES.register("baseline")

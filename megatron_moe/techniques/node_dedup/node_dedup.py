@@ -61,7 +61,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.group import Group
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement, expert_major_order
-from megatron_moe.moe.schedules.base import gate_weighted_sum, inverse_permutation
+from megatron_moe.moe.schedules.base import inverse_permutation
 from megatron_moe.moe.schedules.baseline import TOKEN_DISPATCH, BaselineRouted
 
 ROUTING_KIND = "all_to_all_routing"  # hop 1's codes and combine weights (and the weights' gradients)
@@ -175,7 +175,7 @@ class NodeDedup:
         ep, fill = s.state.ep, s.backward_fill()
         out = out.index_select(0, inverse_permutation(ctx.recv_order))  # as received: proxy-major
         back = C.all_to_all_v_autograd(out, ctx.recv2, ctx.send2, ep, backward_fill=fill)  # hop 2 back [F, h]
-        partial = gate_weighted_sum(back, ctx.weights, ctx.forwarded, ctx.weights.shape[0]).to(back.dtype)  # [R', h]
+        partial = s.weighted_sum(back, ctx.weights, ctx.forwarded, ctx.weights.shape[0]).to(back.dtype)  # [R', h]
         returned = C.all_to_all_v_autograd(partial, ctx.recv, ctx.send, ep,  # hop 1 back [R, h]
                                            while_in_flight=s.hooks.combining(), backward_fill=fill)
         n, dtype = ctx.routed.weights.shape[0], torch.promote_types(returned.dtype, ctx.routed.weights.dtype)

@@ -71,7 +71,7 @@ from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, gate_weighted_sum, slots_by_expert
+from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.hardware import PARM_OPS, configured_profile
 from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
@@ -125,7 +125,7 @@ def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) ->
     """S1 step 2: route this TP rank's `piece` [n_t, h] of a `num_tokens`-token micro-batch (or of
     one Lancet part of it, `router.partition`) with the whole micro-batch's capacity positions and
     losses (router.py's math)."""
-    num_experts, k = router.num_experts, router.top_k
+    num_experts = router.num_experts
     logits = router.logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
     probs, expert_ids, weights = router.select(logits)
     counts = torch.bincount(expert_ids.flatten(), minlength=num_experts)
@@ -317,7 +317,7 @@ class ParmSchedule(Schedule):
 
     def _finish(self, rows: torch.Tensor, routed: ParmRouted) -> torch.Tensor:
         """Rows [m, h] aligned with `routed.slots` -> gate-weighted combine (+ S1's MP-AllGather) [n, h]."""
-        y = gate_weighted_sum(rows, routed.weights, routed.slots, routed.tokens.shape[0])
+        y = self.weighted_sum(rows, routed.weights, routed.slots, routed.tokens.shape[0])
         if routed.choice == "s1":  # MP-AllGather of the own tokens' outputs
             y = C.all_gather_v_autograd(y, self.state.tp, routed.token_sizes, backward="split")
         return y  # [n, h]
