@@ -15,13 +15,15 @@ hyper-parameters. Both get the same random tokens; the first step's losses are c
 which only ours adds: both losses below are the language-model loss).
 
 A step is zero_grad, forward, backward (LM loss + ours: its aux loss), optimizer step. Steps
-alternate (ours, ours with `training.compile=true`, HF, ours, ...), --warmup of each first;
-reported: median step ms, tokens/s and the ratios to HF and of compiled to eager (the first
-compiled step, which compiles, is reported apart as `compile_first_step_s`); parameter counts of
-both (they must be equal); and `matmul_floor_ms`: the time of the step's matrix multiplies alone
-(every forward GEMM of the model at its shapes, experts with the rows the first step routed to
-each, plus the two backward GEMMs of each) as plain `torch.mm` / `torch.bmm` calls, one pass after
-each round of steps (median). Prints one JSON object, with `machine`: CPU model, cores, torch
+alternate in rounds (ours, ours with `training.compile=true`, HF, ..., the floor pass; the next
+round in reverse order), --warmup rounds first; reported: median step ms, tokens/s, and the
+ratios to HF and of compiled to eager, each the median over rounds of that round's ratio (a slow
+phase of the machine that spans a round cancels; on a shared 2-core VM whole runs differ by up
+to 30 %); the first compiled step, which compiles, apart as `compile_first_step_s`; parameter
+counts of both (they must be equal); and `matmul_floor_ms`: the time of the step's matrix
+multiplies alone (every forward GEMM of the model at its shapes, experts with the rows the first
+step routed to each, plus the two backward GEMMs of each) as plain `torch.mm` / `torch.bmm` calls,
+one pass per round (median). Prints one JSON object, with `machine`: CPU model, cores, torch
 version and threads, CUDA device, and the load average at the start and the end (other jobs on
 the cores slow every side, not always alike). The ratios depend on the machine. glibc's malloc
 keeps freed memory in the process for all sides, as training sets it (perf/host_memory.py).
@@ -32,7 +34,8 @@ same rotation, ours in fp32 (`ours_fp32`), HF in fp32 (`hf`), HF under `torch.au
 with fp32 weights (`hf_autocast`) and HF loaded in bf16 with AdamW on the bf16 weights
 (`hf_bf16`), all from the same initial weights; the floor's GEMMs run in bf16 (`matmul_floor_ms`,
 measured as the fp32 one). Ratios: `ours_vs_floor` (step / floor), and the speedups (> 1: ours
-faster) `ours_vs_best_hf_bf16`, `ours_vs_hf` (HF fp32), `ours_vs_ours_fp32`.
+faster) `ours_vs_best_hf_bf16` (against the faster of HF's two bf16 options in each round; also
+`ours_compiled_vs_best_hf_bf16`), `ours_vs_hf` (HF fp32), `ours_vs_ours_fp32`.
 
 `peak_mb`: per side, the peak of the bytes held by tensors during one step (weights, gradients,
 optimizer state and activations; torch's profiler's allocation events on the CPU, the CUDA
@@ -223,27 +226,40 @@ def main(argv=None) -> int:
     floor_pass = matmul_floor(cfg, rows_per_expert, param_dtype(args.precision))
     times = {side: [] for side in [*sides, "floor"]}
     for i in range(args.warmup + args.steps):
-        for side, (model, opt, step) in sides.items():
-            with timing.wall(tokens.device) as took:
-                step(model, opt, tokens, labels)
+        order = [*sides, "floor"]  # the floor in turn with the steps, so the ratios see the same load
+        for side in order if i % 2 == 0 else reversed(order):  # reversed every other round: drift cancels
+            if side == "floor":
+                seconds = floor_pass()
+            else:
+                model, opt, step = sides[side]
+                with timing.wall(tokens.device) as took:
+                    step(model, opt, tokens, labels)
+                seconds = took.seconds
             if i >= args.warmup:
-                times[side].append(took.seconds)
-        floor_seconds = floor_pass()  # in turn with the steps, so the ratio sees the same load
-        if i >= args.warmup:
-            times["floor"].append(floor_seconds)
+                times[side].append(seconds)
         print(f"step {i + 1}/{args.warmup + args.steps}", file=sys.stderr, flush=True)
     ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
     floor = ms.pop("floor")
-    ratios = {"ours_vs_hf": round(ms["hf"] / ms["ours"], 3)}
+
+    def paired(slow, fast) -> float:
+        """Median over rounds of the round's time ratio slow / fast (`slow`: a side or a list of
+        sides, the fastest of them each round)."""
+        slow = slow if isinstance(slow, list) else [slow]
+        return round(statistics.median(min(times[s][r] for s in slow) / times[fast][r]
+                                       for r in range(args.steps)), 3)
+
+    ratios = {"ours_vs_hf": paired("hf", "ours")}
     if "ours_compiled" in ms:
-        ratios.update({"ours_compiled_vs_hf": round(ms["hf"] / ms["ours_compiled"], 3),
-                       "compiled_vs_eager": round(ms["ours"] / ms["ours_compiled"], 3),
-                       "compiled_vs_floor": round(ms["ours_compiled"] / floor, 3),
+        ratios.update({"ours_compiled_vs_hf": paired("hf", "ours_compiled"),
+                       "compiled_vs_eager": paired("ours", "ours_compiled"),
+                       "compiled_vs_floor": paired("ours_compiled", "floor"),
                        "compile_first_step_s": round(compile_seconds, 1)})
     if args.precision == "bf16":
-        ratios.update({"ours_vs_best_hf_bf16": round(min(ms["hf_autocast"], ms["hf_bf16"]) / ms["ours"], 3),
-                       "ours_vs_ours_fp32": round(ms["ours_fp32"] / ms["ours"], 3),
+        ratios.update({"ours_vs_best_hf_bf16": paired(["hf_autocast", "hf_bf16"], "ours"),
+                       "ours_vs_ours_fp32": paired("ours_fp32", "ours"),
                        "peak_vs_fp32": round(peak["ours"] / peak["ours_fp32"], 3)})
+        if "ours_compiled" in ms:
+            ratios["ours_compiled_vs_best_hf_bf16"] = paired(["hf_autocast", "hf_bf16"], "ours_compiled")
     print(json.dumps({
         "config": {"overrides": overrides, "steps": args.steps, "warmup": args.warmup,
                    "torch": torch.__version__, "transformers": transformers.__version__},
@@ -255,7 +271,7 @@ def main(argv=None) -> int:
         "tokens_per_sec": {k: round(b * s / v * 1e3, 1) for k, v in ms.items()},
         "peak_mb": {k: round(v, 1) for k, v in peak.items()},
         **ratios,
-        "matmul_floor_ms": round(floor, 1), "ours_vs_floor": round(ms["ours"] / floor, 3)}))
+        "matmul_floor_ms": round(floor, 1), "ours_vs_floor": paired("ours", "floor")}))
     return 0
 
 

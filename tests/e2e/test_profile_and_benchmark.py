@@ -184,6 +184,9 @@ def test_train_throughput_runs_the_same_model_as_hugging_face():
     assert out["compiled_loss_diff"] < 1e-5  # training.compile computes the same model
     assert min(out["step_ms"].values()) > 0 and set(out["step_ms"]) == {"ours", "ours_compiled", "hf"}
     assert out["matmul_floor_ms"] > 0
+    ms = out["step_ms"]  # one round: each ratio is that round's (the median over rounds, in general)
+    assert out["ours_vs_hf"] == pytest.approx(ms["hf"] / ms["ours"], rel=1e-2)
+    assert out["ours_vs_floor"] == pytest.approx(ms["ours"] / out["matmul_floor_ms"], rel=3e-2)  # ms: 0.1 steps
     machine = out["machine"]  # what the numbers depend on (docs/performance.md)
     assert machine["cpu"] and machine["cpu_cores"] >= machine["usable_cores"] >= 1 and machine["torch_threads"] == 1
     assert machine["torch"] == torch.__version__ and len(machine["load_average"]) == 2
@@ -203,7 +206,9 @@ def test_train_throughput_bf16_sides():
     assert set(out["step_ms"]) == set(out["peak_mb"]) == sides and min(out["peak_mb"].values()) > 0
     first = out["first_step_lm_loss"]
     assert all(abs(first[s] - first["ours_fp32"]) < 2e-2 * first["ours_fp32"] for s in sides)  # a few bf16 ulps
-    assert out["ours_vs_ours_fp32"] > 0 and out["ours_vs_best_hf_bf16"] > 0 and out["peak_vs_fp32"] > 0
+    ms = out["step_ms"]
+    assert out["ours_vs_best_hf_bf16"] == pytest.approx(min(ms["hf_autocast"], ms["hf_bf16"]) / ms["ours"], rel=1e-2)
+    assert out["ours_vs_ours_fp32"] == pytest.approx(ms["ours_fp32"] / ms["ours"], rel=1e-2) and out["peak_vs_fp32"] > 0
     assert out["matmul_floor_ms"] > 0 and "training.precision=bf16" in out["config"]["overrides"]
 
 
