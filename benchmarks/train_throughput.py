@@ -37,6 +37,15 @@ measured as the fp32 one). Ratios: `ours_vs_floor` (step / floor), and the speed
 faster) `ours_vs_best_hf_bf16` (against the faster of HF's two bf16 options in each round; also
 `ours_compiled_vs_best_hf_bf16`), `ours_vs_hf` (HF fp32), `ours_vs_ours_fp32`.
 
+Warm-up: on the CPU, oneDNN JIT-compiles a bf16 GEMM kernel for each new shape (3-5 ms each;
+`moe/grouped_gemm.py`), and the experts' row counts (rounded to buckets of 32) keep taking new
+values during the first ~10-20 steps, as the routing moves: in a trace of one bf16 process, the
+steps after 1, 2, 3 warm-up steps still compiled 66, 52, 6 new GEMM shapes (113, 113, 13 ms), and
+steps 5-16 compiled 0-18 (0-60 ms). Training amortizes that over its thousands of steps, the floor
+(fixed shapes) pays it once, so the default 8 warm-up rounds (16 steps of ours, eager and compiled
+sharing the kernel cache) measure the steady state; HF's bf16 experts, whose row counts vary too,
+get the same rounds.
+
 `peak_mb`: per side, the peak of the bytes held by tensors during one step (weights, gradients,
 optimizer state and activations; torch's profiler's allocation events on the CPU, the CUDA
 allocator's peak on a GPU), the one process being the one rank; `peak_vs_fp32` is ours over
@@ -73,7 +82,9 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted config overrides on top of the issue's shape")
     p.add_argument("--config", default="configs/mixtral_tiny.yaml")
     p.add_argument("--steps", type=int, default=10, help="timed steps per side")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=8,
+                   help="untimed rounds first (bf16 on the CPU: until the experts' GEMM shapes are compiled, "
+                        "module docstring)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: ours in bf16 against HF's bf16 options and both in fp32 (module docstring)")
