@@ -186,7 +186,7 @@ def test_train_throughput_runs_the_same_model_as_hugging_face():
     assert out["matmul_floor_ms"] > 0
     ms = out["step_ms"]  # one round: each ratio is that round's (the median over rounds, in general)
     assert out["ours_vs_hf"] == pytest.approx(ms["hf"] / ms["ours"], rel=1e-2)
-    assert out["ours_vs_floor"] == pytest.approx(ms["ours"] / out["matmul_floor_ms"], rel=3e-2)  # ms: 0.1 steps
+    assert out["ours_vs_floor"] == pytest.approx(ms["ours"] / out["matmul_floor_ms"], rel=3e-2)  # ms rounded to 0.1
     machine = out["machine"]  # what the numbers depend on (docs/performance.md)
     assert machine["cpu"] and machine["cpu_cores"] >= machine["usable_cores"] >= 1 and machine["torch_threads"] == 1
     assert machine["torch"] == torch.__version__ and len(machine["load_average"]) == 2

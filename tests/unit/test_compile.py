@@ -18,7 +18,6 @@ def test_compile_is_exact(bert):
         assert_same_steps(got, plain, f"compile {extra}")
 
 
-
 def test_compile_installs_the_compiled_moe_pieces():
     """`compile_layers` gives every MoE layer the one shared compiled activation and combine
     (model/compile.py); an eager model keeps the plain functions."""
