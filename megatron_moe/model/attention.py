@@ -12,7 +12,8 @@ head j // (heads / G), as in HF's `repeat_kv`. `model.head_dim` may differ from 
 
 Optional QK-norm (`model.qk_norm`, model/qk_norm.py) normalizes q and k before rotary positions.
 Causal (GPT) or bidirectional (BERT) with an optional key padding mask; optional rotary positions.
-Without active dropout it calls torch SDPA; with attention-probability dropout in training it
+Without active dropout it calls torch SDPA (`model/core_attention.py`: with its own backward for bf16
+on the CPU); with attention-probability dropout in training it
 computes softmax explicitly so the mask comes from the TP-sharded dropout generator
 (`tensor_parallel/random.py`): each rank draws different masks for its different heads.
 """
@@ -27,6 +28,7 @@ from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config, ModelConfig
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.core_attention import core_attention
 from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm
 from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import apply_rotary, rotary_cos_sin
@@ -124,7 +126,7 @@ class SelfAttention(torch.nn.Module):
     def _attend(self, q, k, v, padding_mask):
         if not (self.training and self.attn_dropout.p > 0):
             if padding_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+                return core_attention(q, k, v, self.causal)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self._allowed(q.shape[2], padding_mask, q.device))
         scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5  # [b, heads/tp, s, s]
         allowed = self._allowed(q.shape[2], padding_mask, q.device)

@@ -324,3 +324,36 @@ def test_swiglu_node_is_autograd_bit_for_bit(dtype):
     assert sum(t.numel() for t in saved) == 3 * y.numel()
     with torch.no_grad():  # no gradient: the plain formula, no node
         assert torch.equal(ffn_activation(x, "swiglu"), y_ref)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_core_attention_bf16_backward(causal):
+    """`core_attention` in bf16 on the CPU (model/core_attention.py): the forward is torch's flash
+    kernel, bit for bit; the recomputed backward's gradients are as close to float64 as the flash
+    backward's (a few bf16 roundings, u = 2^-8, mostly of the inputs: rel ~1e-2). Shapes: more heads than one
+    chunk holds, a sequence the query blocks do not divide, logits spread enough to reach the
+    clamp. Elsewhere (fp32, no gradient, sequences over MAX_RECOMPUTE_SEQ) it is plain SDPA."""
+    from megatron_moe.model import core_attention as ca
+    gen = torch.Generator().manual_seed(0)
+    for b, heads, s, d in ((3, 5, 250, 32), (2, 2, 7, 16)):
+        q, k, v, dy = (torch.randn(b, heads, s, d, generator=gen, dtype=torch.float64) for _ in range(4))
+        q = q * 6  # logits with a std of ~6 after the 1/sqrt(d) scale: exp's floor is reached
+        x64 = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        y64 = F.scaled_dot_product_attention(*x64, is_causal=causal)
+        want = torch.autograd.grad(y64, x64, dy)
+        flash, ours = [[t.bfloat16().requires_grad_(True) for t in (q, k, v)] for _ in range(2)]
+        y_flash = F.scaled_dot_product_attention(*flash, is_causal=causal)
+        y_ours = ca.core_attention(*ours, causal)
+        assert torch.equal(y_ours, y_flash)
+        got_flash = torch.autograd.grad(y_flash, flash, dy.bfloat16())
+        got_ours = torch.autograd.grad(y_ours, ours, dy.bfloat16())
+        for name, a, f, w in zip("qkv", got_ours, got_flash, want):
+            assert a.dtype == torch.bfloat16 and a.shape == w.shape
+            err, flash_err = ((g.double() - w).norm() / w.norm() for g in (a, f))
+            assert err <= 1.1 * flash_err and err < 4 * 2.0 ** -8, (b, s, name, float(err), float(flash_err))
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    for args, plain in (((q.float(), q.float(), q.float()), True), ((q.detach(),) * 3, True), ((q, q, q), False)):
+        node = ca.core_attention(*args, causal).grad_fn
+        assert (node is None or "FlashRecomputed" not in type(node).__name__) == plain
+    long = torch.randn(1, 1, ca.MAX_RECOMPUTE_SEQ + 1, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert "FlashRecomputed" not in type(ca.core_attention(long, long, long, causal).grad_fn).__name__

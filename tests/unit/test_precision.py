@@ -118,14 +118,19 @@ def test_compile_and_recompute_in_bf16():
     """`training.compile` and both recomputation levels in bf16 give the eager bf16 run's losses
     and gradients up to bf16 rounding: recomputation repeats the same kernels (bitwise), Inductor
     fuses element-wise work into other kernels that round differently (a few u = 2^-8 on the
-    loss, normwise on each gradient). Dropout 0.1 and capacity drops, two steps."""
+    loss, normwise on each gradient). Dropout 0.1 and capacity drops, two steps; and without
+    dropout, where attention is `core_attention`'s flash forward with its own bf16 backward
+    (model/core_attention.py, a custom op inside the compiled graph)."""
     u = 2.0 ** -8
     bf16 = ["training.precision=bf16"]
-    plain = tiny_model_steps(bf16, steps=2)
-    for extra, loss_tol, grad_tol in ((["training.recompute=full"], 0.0, 0.0),
-                                      (["training.recompute=selective"], 0.0, 0.0),
-                                      (["training.compile=true"], 2 * u, 8 * u)):
-        got = tiny_model_steps(bf16 + extra, steps=2)
+    runs = {(): tiny_model_steps(bf16, steps=2), ("model.dropout=0.0",): tiny_model_steps(bf16 + ["model.dropout=0.0"], steps=2)}
+    for base, extra, loss_tol, grad_tol in (((), ["training.recompute=full"], 0.0, 0.0),
+                                            ((), ["training.recompute=selective"], 0.0, 0.0),
+                                            ((), ["training.compile=true"], 2 * u, 8 * u),
+                                            (("model.dropout=0.0",), ["training.recompute=selective"], 0.0, 0.0),
+                                            (("model.dropout=0.0",), ["training.compile=true"], 2 * u, 8 * u)):
+        plain = runs[base]
+        got = tiny_model_steps(bf16 + list(base) + extra, steps=2)
         for a, b in zip(got, plain):
             assert a.loss == pytest.approx(b.loss, rel=loss_tol, abs=0) and a.dropped == b.dropped, extra
             for name, grad in b.grads.items():
