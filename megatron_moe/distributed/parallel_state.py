@@ -10,8 +10,11 @@ No module-level globals (DESIGN.md §3). Two views of the same ranks, per pipeli
           = edp_rank * (ep * esp) + ep_rank * esp + esp_rank   (expert view)
 
 Groups: ``tp`` (same stage & dp rank), ``dp`` (same stage & tp rank), ``pp`` (same local rank),
-``esp`` (same stage, edp, ep), ``ep`` (same stage, edp, esp), ``ep_esp`` (same stage & edp: one full
-copy of every expert), ``edp`` (same stage, ep, esp: the replicas of one expert shard),
+``esp`` (same stage, edp, ep), ``ep`` (same stage, edp, esp), ``ep_node`` (the members of one ``ep``
+group on one node: nodes are blocks of ``ranks_per_node`` consecutive global ranks, all on one
+without it; traffic that never leaves a node, e.g. node_dedup's hop 2, runs on it), ``ep_esp``
+(same stage & edp: one full copy of every expert), ``edp`` (same stage, ep, esp: the replicas of
+one expert shard),
 ``embedding`` (the first and the last stage's rank of one local rank: Megatron's embedding group,
 which sums the tied word embedding's gradient; a rank of a middle stage is alone in its own),
 ``world``.
@@ -27,6 +30,12 @@ Worked example: world=8, tensor=2, expert=2, expert_shard=2 (pipeline=1, so dp=4
 
 With expert=2 expert_shard=4 tensor=2 the esp group {0,1,2,3} spans two tp groups; with tensor=4
 expert=2 expert_shard=2 each esp group {0,1}, {2,3} lies inside the tp group {0,1,2,3}.
+On nodes of 4 ranks (``ranks_per_node=4``) the example's ep groups lie inside a node each, so
+``ep_node`` = ``ep``; on nodes of 2 every ep group is cut in two: ep_node {0} {2} {1} {3} {4} ...,
+each rank alone. With expert=4 on 8 ranks and nodes of 2: ep {0,1,2,3} {4,5,6,7}, ep_node {0,1}
+{2,3} {4,5} {6,7}. A rank's ``ep_node`` coordinate is its index among its ep group's members on
+its node (those are consecutive ep ranks: nodes are blocks of ranks); groups may differ in size
+when a node boundary cuts an ep group unevenly.
 Pipeline stages only prepend ``pp_rank * stage_size``: with pipeline=2 on 16 ranks, rank 9 is
 local rank 1 of stage 1, its ``pp`` group {1, 9}, its ``embedding`` group {1, 9}.
 """
@@ -39,7 +48,7 @@ from megatron_moe.config.registry import Hooks
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.group import Group
 
-GROUP_NAMES = ("tp", "dp", "pp", "ep", "esp", "ep_esp", "edp", "embedding", "world")
+GROUP_NAMES = ("tp", "dp", "pp", "ep", "ep_node", "esp", "ep_esp", "edp", "embedding", "world")
 # cfg -> group names that need a side channel (`Group.side_handle`): FlexMoE's best-effort moves
 SIDE_CHANNELS: Hooks = Hooks("process-group side channels", ("flexmoe",))
 
@@ -64,10 +73,15 @@ class RankLayout:
         assert self.world_size % (self.tensor * self.pipeline) == 0, "validate the config first"
         assert self.stage_size % (self.expert * self.expert_shard) == 0, "validate the config first"
 
+    @property
+    def node_size(self) -> int:
+        """Consecutive global ranks per node (the world when `ranks_per_node` is None)."""
+        return self.ranks_per_node or self.world_size
+
     def node_of(self, rank):
         """The node global rank `rank` (an int, or an integer array of ranks: one node each) runs on
         (ranks fill nodes in order, as launchers place them)."""
-        return rank // (self.ranks_per_node or self.world_size)
+        return rank // self.node_size
 
     @property
     def stage_size(self) -> int:
@@ -88,8 +102,11 @@ class RankLayout:
         ep_esp = self.expert * self.expert_shard
         edp, inner = divmod(local, ep_esp)
         ep, esp = divmod(inner, self.expert_shard)
+        # ep_node: how many members of the ep group (every esp-th rank) are on this node below this
+        # rank: the ep below it, or those in [node start, rank) where the node starts inside the group
+        ep_node = min(ep, rank % self.node_size // self.expert_shard)
         last = self.pipeline > 1 and pp == self.pipeline - 1
-        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "esp": esp, "ep_esp": inner, "edp": edp,
+        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "ep_node": ep_node, "esp": esp, "ep_esp": inner, "edp": edp,
                 "embedding": int(last), "world": rank}
 
     def groups(self, name: str) -> List[List[int]]:
@@ -103,6 +120,7 @@ class RankLayout:
             "pp": lambda c: (c["dp"], c["tp"]),
             "esp": lambda c: (c["pp"], c["edp"], c["ep"]),
             "ep": lambda c: (c["pp"], c["edp"], c["esp"]),
+            "ep_node": lambda c: (c["pp"], c["edp"], c["esp"], self.node_of(c["world"])),
             "ep_esp": lambda c: (c["pp"], c["edp"]),
             "edp": lambda c: (c["pp"], c["ep"], c["esp"]),
             # first and last stage of one local rank together; a middle stage's rank alone

@@ -13,7 +13,10 @@ the expert view's `ep_esp` groups are indexed by `edp` rank; inside one, ranks a
 ``ep_rank * esp + esp_rank``. The groups across stages (`pp`, `embedding`, `world`) have every
 rank's coordinate, group id (ranks of this stage in one group share it), size and whether the
 group spans nodes, as ParallelState's; their collectives are timed across the stages by
-`sim/stages.py`. With one stage, every rank's `pp` and `embedding` groups are itself.
+`sim/stages.py`. With one stage, every rank's `pp` and `embedding` groups are itself. `ep_node`
+(an ep group's members on one node) has coordinates, group ids, node spans (none) and a size per
+rank, Int[S] (a node boundary may cut ep groups unevenly); no op is simulated on it (its one user,
+`moe.token_dispatch: node_dedup`, is refused by sim/runner.py), so it is no `STAGE_GROUPS` member.
 """
 from __future__ import annotations
 
@@ -47,6 +50,11 @@ class WorldLayout:
         self.node = layout.node_of(self.offset + rank)
         self.spans_nodes = {name: self.group_max(name, self.node) != self.group_min(name, self.node)
                             for name in STAGE_GROUPS}
+        # ep_node: ep's members on the rank's node below it (RankLayout.coords); a group's id, its first member
+        self.coord["ep_node"] = np.minimum(ep_rank, (self.offset + rank) % layout.node_size // esp)
+        self.group_id["ep_node"] = first = rank - self.coord["ep_node"] * esp
+        self.group_size["ep_node"] = np.bincount(first, minlength=S)[first]
+        self.spans_nodes["ep_node"] = np.zeros(S, dtype=bool)
         # the groups across stages, as ParallelState has them: a rank's pp group is its local rank on
         # every stage, its embedding group the first and last stage's (a middle stage's rank alone)
         p, zero = layout.pipeline, np.zeros(S, dtype=np.int64)
@@ -62,7 +70,7 @@ class WorldLayout:
     def members(self, name: str) -> np.ndarray:
         """Int[G, n]: the stage's ranks of every `name` group in member order (ascending); only the
         groups inside the stage (`STAGE_GROUPS`)."""
-        assert name in STAGE_GROUPS, f"group {name} spans pipeline stages (sim/stages.py)"
+        assert name in STAGE_GROUPS, f"group {name}: across pipeline stages (sim/stages.py) or of uneven sizes"
         if name not in self._members:
             order = np.lexsort((np.arange(self.size), self.group_id[name]))
             self._members[name] = order.reshape(-1, self.group_size[name])

@@ -46,7 +46,7 @@ def test_expert_only_with_data_parallel():
 ])
 def test_groups_partition_world_and_coords_agree(world, tp, ep, esp):
     lay = RankLayout(world_size=world, tensor=tp, expert=ep, expert_shard=esp)
-    expected_size = {"tp": tp, "dp": world // tp, "pp": 1, "ep": ep, "esp": esp, "ep_esp": ep * esp,
+    expected_size = {"tp": tp, "dp": world // tp, "pp": 1, "ep": ep, "ep_node": ep, "esp": esp, "ep_esp": ep * esp,
                      "edp": world // (ep * esp), "embedding": 1, "world": world}
     for name in GROUP_NAMES:
         groups = lay.groups(name)
@@ -55,6 +55,7 @@ def test_groups_partition_world_and_coords_agree(world, tp, ep, esp):
         for g in groups:
             # a rank's coordinate in the group equals its position in the rank list
             assert [lay.coords(r)[name] for r in g] == list(range(len(g))), (name, g)
+    assert lay.groups("ep_node") == lay.groups("ep")  # one node: an ep group is its node's members
     # ep_esp holds one copy of every expert: (ep, esp) pairs are all distinct in it
     for g in lay.groups("ep_esp"):
         assert len({(lay.coords(r)["ep"], lay.coords(r)["esp"]) for r in g}) == ep * esp
@@ -80,3 +81,42 @@ def test_pipeline_stages_prepend_the_stage():
     for name in GROUP_NAMES:
         for g in lay.groups(name):
             assert [lay.coords(r)[name] for r in g] == list(range(len(g))), (name, g)
+
+
+def test_ep_node_is_an_ep_groups_members_on_one_node():
+    """ep_node: the ep group cut at node boundaries (blocks of ranks_per_node global ranks), in
+    member order, ordered by (stage, edp, esp, node); a rank's coordinate is its index in it."""
+    lay = RankLayout(world_size=8, expert=4, ranks_per_node=2)
+    assert lay.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.groups("ep_node") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [lay.coords(r)["ep_node"] for r in range(8)] == [0, 1] * 4
+    # the worked example on nodes of 2: every ep group {0,2} {1,3} ... spans two nodes, one member each
+    lay = RankLayout(world_size=8, tensor=2, expert=2, expert_shard=2, ranks_per_node=2)
+    assert lay.groups("ep_node") == [[0], [2], [1], [3], [4], [6], [5], [7]]
+    # on nodes of 4 it is ep
+    lay = RankLayout(world_size=8, tensor=2, expert=2, expert_shard=2, ranks_per_node=4)
+    assert lay.groups("ep_node") == lay.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # expert 4 x expert_shard 2 on nodes of 4: ep {0,2,4,6} -> {0,2} {4,6}
+    lay = RankLayout(world_size=8, expert=4, expert_shard=2, ranks_per_node=4)
+    assert lay.groups("ep_node") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert [lay.coords(r)["ep_node"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("kwargs,per_node", [(dict(world_size=12, expert=4), 3), (dict(world_size=12, expert=6), 4),
+                                             (dict(world_size=24, pipeline=3, expert=2, expert_shard=2), 3),
+                                             (dict(world_size=16, tensor=2, pipeline=2, expert=4), 2)])
+def test_ep_node_uneven_nodes_partition_every_ep_group(kwargs, per_node):
+    """Node boundaries that cut ep groups unevenly ({0,1,2} {3} {4,5} ... for expert 4 on nodes of
+    3): every ep group is the concatenation of its ep_node groups, each on one node, every rank's
+    coordinate its index there."""
+    lay = RankLayout(**kwargs, ranks_per_node=per_node)
+    pieces = lay.groups("ep_node")
+    assert sorted(r for g in pieces for r in g) == list(range(lay.world_size))
+    for g in pieces:
+        assert len({r // per_node for r in g}) == 1, g
+        assert [lay.coords(r)["ep_node"] for r in g] == list(range(len(g))), g
+    for g in lay.groups("ep"):
+        assert [r for p in pieces if p[0] in g for r in p] == g, g
+        assert len([p for p in pieces if p[0] in g]) == len({r // per_node for r in g}), g
+    if kwargs == dict(world_size=12, expert=4):
+        assert pieces == [[0, 1, 2], [3], [4, 5], [6, 7], [8], [9, 10, 11]]

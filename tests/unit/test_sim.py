@@ -79,7 +79,8 @@ def test_flat_profiles_become_one_node_links_and_cluster_profiles_flat_ops(clust
 def test_world_arrays_agree_with_rank_layout(kwargs):
     """Each pipeline stage's arrays are RankLayout's groups inside that stage, its nodes the global
     ranks' (ranks_per_node 4 or 3: with pipeline 3 the stages' node patterns differ); the groups
-    across stages (pp, embedding, world) have RankLayout's coordinates, sizes and node spans."""
+    across stages (pp, embedding, world) and ep_node (per rank sizes: uneven with pipeline 3) have
+    RankLayout's coordinates, sizes and node spans."""
     per_node = 3 if kwargs.get("pipeline") == 3 else 4
     lay = RankLayout(**kwargs, ranks_per_node=per_node)
     for stage in range(lay.pipeline):
@@ -89,7 +90,7 @@ def test_world_arrays_agree_with_rank_layout(kwargs):
         for name in GROUP_NAMES:
             groups = [lay.group_of(name, r) for r in ranks]
             assert world.coord[name].tolist() == [lay.coords(r)[name] for r in ranks], name
-            assert [world.group_size[name]] * world.size == [len(g) for g in groups], name
+            assert np.broadcast_to(world.group_size[name], world.size).tolist() == [len(g) for g in groups], name
             assert world.spans_nodes[name].tolist() == [len({m // per_node for m in g}) > 1 for g in groups], name
             ids = world.group_id[name].tolist()
             assert all((ids[i] == ids[j]) == (groups[i] == groups[j]) for i in range(world.size)
