@@ -14,8 +14,10 @@
 2. The bytes, at expert 4 on 2 nodes with router_groups=2 (a group = a node) and
    router_group_topk 2 and 1, per copy and node-deduplicated: every rank's counters (bytes and
    inter-node bytes of every kind, forward + backward) equal the count from the reference's
-   routing (`_expected_bytes`, written from the formula in docs/node_dedup.md). Inter-node
-   all-to-all bytes fall as router_group_topk falls with node_dedup, and are below per copy's.
+   routing (`_expected_bytes`, written from the formula in docs/node_dedup.md): hop 1 and its
+   metadata under the `ep` group, hop 2 under `ep_node` (the node's members of the ep group: no
+   inter-node byte; 2 calls forward and 2 backward, as hop 1's on `ep`). Inter-node all-to-all
+   bytes fall as router_group_topk falls with node_dedup, and are below per copy's.
 3. The whole GPT-MoE through the trainer (node_dedup with Lancet's partitioned forward, deferred
    dW and Pro-Prophet's block-wise scheduler; node_dedup with full recomputation, EPLB and capacity
    drops): loss, aux loss, grad norm and every synced gradient equal one process.
@@ -26,8 +28,8 @@ import torch
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from tests.distributed.harness import run_distributed
-from tests.distributed.moe_cases import (B, CASES, E, H, S, case_config, case_data, check_against_reference,
-                                         check_results, reference, reference_of, run_layer)
+from tests.distributed.moe_cases import (CASES, E, H, case_data, check_against_reference, check_results, reference_of,
+                                         run_layer)
 from tests.distributed.test_grads import _model_config, _trainer_grads
 from tests.distributed.test_moe_parm import TESTBED_B
 from tests.distributed.test_replicas import ReplicateOne, ShadowFixed, _fastermoe_profile
@@ -86,7 +88,7 @@ def _run(state, profile):
     for dispatch, topk in BYTE_RUNS:
         C.COMM_STATS.reset()
         result = run_layer(subs["ep4-2nodes"], *_byte_config(dispatch, topk))
-        counted.append((result, C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node)))
+        counted.append((result, C.COMM_STATS.snapshot(), dict(C.COMM_STATS.inter_node), dict(C.COMM_STATS.calls)))
     ep4 = subs["ep4-2nodes"]
     trainer = [_trainer_grads(_model_config(EP4, ["moe.token_dispatch=node_dedup"] + run), ep4) for run in TRAINER_RUNS]
     return layers, counted, trainer
@@ -114,7 +116,8 @@ def _expected_bytes(kept, dispatch: str):
     """Per EP rank q of expert 4 on 2 nodes (owner of expert e: rank e; node of rank q: q // 2; the
     proxy of source s on node N: s on its own node, else rank 2 N + s % 2), from kept[s][t] (the
     reference's kept experts of token t of micro-batch s = source s): ({kind/group: bytes},
-    {kind/group: inter-node bytes}) of one forward and backward (fp32; int64 codes and counts)."""
+    {kind/group: inter-node bytes}) of one forward and backward (fp32; int64 codes and counts).
+    node_dedup: hop 1 (+ back) on `ep`, hop 2 (+ back) on `ep_node` = {0, 1} or {2, 3}."""
     row, k, ep = 4 * H, 2, 4
     node = [q // 2 for q in range(ep)]
 
@@ -138,8 +141,8 @@ def _expected_bytes(kept, dispatch: str):
                         and node[q] in {node[e] for e in t}]  # R'_q: rows q receives as a proxy
             received_off = sum(node[s] != node[q] for s, _ in received)
             forwarded = sum(node[e] == node[q] for _, t in received for e in t)  # F_q
-            tokens = len(pairs) + len(received) + forwarded + computed
-            sent = {"all_to_all/ep": 2 * row * tokens,
+            sent = {"all_to_all/ep": 2 * row * (len(pairs) + len(received)),  # hop 1 + hop 1 back
+                    "all_to_all/ep_node": 2 * row * (forwarded + computed),  # hop 2 + hop 2 back
                     "all_to_all_routing/ep": k * (8 + 4) * len(pairs) + k * 4 * len(received),
                     "all_to_all_counts/ep": 8 * ep}
             inter = {"all_to_all/ep": 2 * row * (pairs_off + received_off),
@@ -162,12 +165,19 @@ def test_bytes_equal_the_count_from_the_routing_and_fall_with_router_group_topk(
         if topk == 1:  # group-limited: a token's experts on one node
             assert all(len({e // 2 for e in t}) == 1 for s in kept for t in s)
         for rank, (sent, inter) in enumerate(_expected_bytes(kept, dispatch)):
-            _, got_sent, got_inter = spawned[rank][1][i]
+            _, got_sent, got_inter, got_calls = spawned[rank][1][i]
             assert got_sent == sent, (label, rank, got_sent, sent)
             assert got_inter == inter, (label, rank, got_inter, inter)
+            # token rows: per copy one exchange each way on ep; node_dedup hop 1 each way on ep and
+            # hop 2 each way on ep_node; each once forward and once backward
+            calls = {key: n for key, n in got_calls.items() if key.startswith("all_to_all/")}
+            expected = {"all_to_all/ep": 4} if dispatch == "per_copy" else {"all_to_all/ep": 4, "all_to_all/ep_node": 4}
+            assert calls == expected, (label, rank, got_calls)
         inter_a2a[(dispatch, topk)] = sum(out[1][i][2].get("all_to_all/ep", 0) for out in spawned)
-        print(f"{label}: all_to_all bytes of the 4 ranks (forward + backward): "
-              f"{sum(out[1][i][1]['all_to_all/ep'] for out in spawned)}, inter-node {inter_a2a[(dispatch, topk)]}")
+        per_group = {key: sum(out[1][i][1].get(key, 0) for out in spawned)
+                     for key in ("all_to_all/ep", "all_to_all/ep_node")}
+        print(f"{label}: all_to_all bytes of the 4 ranks (forward + backward): {per_group}, "
+              f"inter-node {inter_a2a[(dispatch, topk)]}")
     assert inter_a2a[("node_dedup", 1)] < inter_a2a[("node_dedup", 2)] <= inter_a2a[("per_copy", 2)]
     assert inter_a2a[("node_dedup", 1)] < inter_a2a[("per_copy", 1)]
 

@@ -12,7 +12,8 @@ vExperts count where they compute). On node N a proxy receives it: p itself on p
 else the member of N with p's local index on its node (modulo N's members; DeepEP's rule: rank
 i of one node talks to rank i of the others).
 
-Forward, on EP rank p (all of it on `ep`, one ESP rank's `ep` group each, as the baseline)::
+Forward, on EP rank p (hop 1 on `ep`, one ESP rank's `ep` group each, as the baseline; hop 2 on
+`ep_node`, the members of p's `ep` group on p's node: distributed/parallel_state.py)::
 
     hop 1  (network)  rows [R_p, h]: one per (token, node) pair of G_p, ordered by node then token,
                       to the node's proxy; with them the pair's routing, codes Long[R_p, k]
@@ -20,10 +21,11 @@ Forward, on EP rank p (all of it on `ep`, one ESP rank's `ep` group each, as the
                       the token's combine weights [R_p, k] (kind all_to_all_routing), after the
                       rows per proxy (`exchange_counts`, kind all_to_all_counts, ep int64s)
     hop 2  (in node)  the proxy copies each received row once per valid code to its rank, ordered
-                      by (rank, expert) -> each rank gets blocks per (proxy, expert), which it
+                      by (rank, expert), over `ep_node` (the splits per `ep` member restricted to
+                      the node's, `_in_node`) -> each rank gets blocks per (proxy, expert), which it
                       regroups expert-major (`expert_major_order`) into the ExpertBatch
     experts, ESP-AllReduce (the baseline's steps 5-6)
-    hop 2 back        the copies' outputs to their proxies (in node)
+    hop 2 back        the copies' outputs to their proxies (in node, `ep_node`)
     proxy             partial [R', h]: sum over a row's copies of weight * output (`gate_weighted_sum`),
                       cast to the rows' dtype (bf16 under bf16, as DeepEP's combine)
     hop 1 back        one row per (token, node) to the source (network), which adds them up: y [n_G, h]
@@ -32,12 +34,15 @@ Backward reverses every all-to-all; the combine weights' gradient (<dy, output> 
 computed on the proxy and returns with hop 1's backward, so the router learns as per copy.
 
 Bytes per rank and forward, rows of h elements (`collectives.py` counts an all-to-all's whole
-input, the rows a rank keeps included; "inter-node" is the part sent to other nodes):
+input, the rows a rank keeps included, as "<kind>/<group>"; "inter-node" is the part sent to other
+nodes):
 
-    hop 1 + hop 1 back:  R_p + R'_p rows, of which (R_p - own-node pairs) + (R'_p - rows from own-node
-                         sources) inter-node; R'_p = rows p receives as a proxy
-    hop 2 + hop 2 back:  F_p + M_p rows, all intra-node (F_p: copies p forwards, M_p: rows it computes)
-    metadata:            R_p k (8 + 4) (all_to_all_routing) + 8 ep (all_to_all_counts)
+    hop 1 + hop 1 back:  R_p + R'_p rows (all_to_all/ep), of which (R_p - own-node pairs) + (R'_p -
+                         rows from own-node sources) inter-node; R'_p = rows p receives as a proxy
+    hop 2 + hop 2 back:  F_p + M_p rows (all_to_all/ep_node), none inter-node (F_p: copies p
+                         forwards, M_p: rows it computes); nothing when p is its node's only member
+                         of the ep group (a collective on one rank is a no-op)
+    metadata:            R_p k (8 + 4) (all_to_all_routing/ep) + 8 ep (all_to_all_counts/ep)
 
 Backward sends the same token bytes again and R'_p k 4 of weight gradients. Per copy a rank sends
 C_p + M_p rows (C_p: its kept assignments), C_p^off + M_p^off of them inter-node; with k experts
@@ -105,8 +110,8 @@ class _Context:
     recv: List[int]  # hop 1 rows from each member (this rank as a proxy)
     weights: torch.Tensor  # [R', k] combine weights of the received rows
     forwarded: torch.Tensor  # Long[F] hop 2's copies: received row * k + choice, by (rank, expert)
-    send2: List[int]  # hop 2 copies to each member
-    recv2: List[int]  # hop 2 copies from each member (proxy)
+    send2: List[int]  # hop 2 copies to each ep_node member
+    recv2: List[int]  # hop 2 copies from each ep_node member (proxy)
     recv_order: torch.Tensor  # Long[M] hop 2's received copies -> the expert batch
 
 
@@ -116,12 +121,22 @@ class NodeDedup:
 
     def __init__(self, schedule):
         self.schedule = schedule
-        ep = schedule.state.ep
+        ep, self.ep_node = schedule.state.ep, schedule.state.ep_node
         self.proxies = NodeProxies.of(ep)
         self.node = torch.tensor(self.proxies.node)  # Long[ep]
         mine = self.proxies.node[ep.rank]
         # Long[ep]: the proxy on this rank's node of each source (the sources are the ep ranks)
         self.via = torch.tensor([self.proxies.proxy(s, mine) for s in range(ep.size)])
+        # ep_node's members are ep's on this node: consecutive ep ranks, this slice of them
+        members = self.proxies.members[mine]
+        self.on_node = slice(members[0], members[-1] + 1)
+        assert ep.ranks[self.on_node] == self.ep_node.ranks, (ep.ranks, self.ep_node.ranks)
+
+    def _in_node(self, per_member: List[int]) -> List[int]:
+        """Hop 2's split per `ep` member -> per `ep_node` member; every row stays on this node."""
+        inside = per_member[self.on_node]
+        assert sum(inside) == sum(per_member), (per_member, self.on_node)  # counts are >= 0
+        return inside
 
     def _pairs(self, routed: BaselineRouted, placement: Placement, dev) -> Tuple[torch.Tensor, List[int], torch.Tensor]:
         """Hop 1 on the source: (Long[R] token of each (token, node) row, rows to each member,
@@ -159,12 +174,11 @@ class NodeDedup:
         code = codes.flatten()[valid]
         num_experts = placement.routing_table.shape[1]
         forwarded = valid[torch.argsort((code % ep.size) * num_experts + code // ep.size, stable=True)]
-        send2 = torch.bincount(code % ep.size, minlength=ep.size).tolist()
-        assert all(self.proxies.node[q] == self.proxies.node[ep.rank] for q, c in enumerate(send2) if c), send2
-        arriving = self._arriving(placement)  # [ep, E]
-        recv2 = arriving.sum(1).tolist()
-        copies = C.all_to_all_v_autograd(rows.index_select(0, forwarded // k), send2, recv2, ep,  # hop 2 [M, h]
-                                         backward_fill=s.backward_fill())
+        send2 = self._in_node(torch.bincount(code % ep.size, minlength=ep.size).tolist())
+        arriving = self._arriving(placement)  # [ep, E]: zero rows off this node
+        recv2 = self._in_node(arriving.sum(1).tolist())
+        copies = C.all_to_all_v_autograd(rows.index_select(0, forwarded // k), send2, recv2,  # hop 2 [M, h]
+                                         self.ep_node, backward_fill=s.backward_fill())
         recv_order = expert_major_order(arriving, placement.experts_on(ep.rank)).to(dev)
         batch = ExpertBatch(copies.index_select(0, recv_order), placement.experts_on(ep.rank),
                             placement.expert_counts(ep.rank))
@@ -174,7 +188,7 @@ class NodeDedup:
         s = self.schedule
         ep, fill = s.state.ep, s.backward_fill()
         out = out.index_select(0, inverse_permutation(ctx.recv_order))  # as received: proxy-major
-        back = C.all_to_all_v_autograd(out, ctx.recv2, ctx.send2, ep, backward_fill=fill)  # hop 2 back [F, h]
+        back = C.all_to_all_v_autograd(out, ctx.recv2, ctx.send2, self.ep_node, backward_fill=fill)  # hop 2 back [F, h]
         partial = s.weighted_sum(back, ctx.weights, ctx.forwarded, ctx.weights.shape[0]).to(back.dtype)  # [R', h]
         returned = C.all_to_all_v_autograd(partial, ctx.recv, ctx.send, ep,  # hop 1 back [R, h]
                                            while_in_flight=s.hooks.combining(), backward_fill=fill)
