@@ -329,28 +329,29 @@ def test_swiglu_node_is_autograd_bit_for_bit(dtype):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_core_attention_bf16_backward(causal):
     """`core_attention` in bf16 on the CPU (model/core_attention.py): the forward is torch's flash
-    kernel, bit for bit; the recomputed backward's gradients are as close to float64 as the flash
-    backward's (a few bf16 roundings, u = 2^-8, mostly of the inputs: rel ~1e-2). Shapes: more heads than one
-    chunk holds, a sequence the query blocks do not divide, logits spread enough to reach the
-    clamp. Elsewhere (fp32, no gradient, sequences over MAX_RECOMPUTE_SEQ) it is plain SDPA."""
+    kernel, bit for bit; the recomputed backward's gradients are at least as close to float64 (of
+    the same bf16 inputs) as the flash backward's: rel 3e-3 to 9e-3, a few bf16 roundings (u = 2^-8).
+    Shapes: more heads than one chunk holds, a sequence the query blocks do not divide, logits
+    spread enough to reach the exponent's clamp. Elsewhere (fp32, no gradient, sequences over
+    MAX_RECOMPUTE_SEQ) it is plain SDPA."""
     from megatron_moe.model import core_attention as ca
     gen = torch.Generator().manual_seed(0)
     for b, heads, s, d in ((3, 5, 250, 32), (2, 2, 7, 16)):
-        q, k, v, dy = (torch.randn(b, heads, s, d, generator=gen, dtype=torch.float64) for _ in range(4))
-        q = q * 6  # logits with a std of ~6 after the 1/sqrt(d) scale: exp's floor is reached
-        x64 = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        q, k, v, dy = (torch.randn(b, heads, s, d, generator=gen).bfloat16() for _ in range(4))
+        q = (q.float() * 6).bfloat16()  # logits with a std of ~6 after the 1/sqrt(d) scale: exp's floor is reached
+        x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
         y64 = F.scaled_dot_product_attention(*x64, is_causal=causal)
-        want = torch.autograd.grad(y64, x64, dy)
-        flash, ours = [[t.bfloat16().requires_grad_(True) for t in (q, k, v)] for _ in range(2)]
+        want = torch.autograd.grad(y64, x64, dy.double())
+        flash, ours = [[t.clone().requires_grad_(True) for t in (q, k, v)] for _ in range(2)]
         y_flash = F.scaled_dot_product_attention(*flash, is_causal=causal)
         y_ours = ca.core_attention(*ours, causal)
         assert torch.equal(y_ours, y_flash)
-        got_flash = torch.autograd.grad(y_flash, flash, dy.bfloat16())
-        got_ours = torch.autograd.grad(y_ours, ours, dy.bfloat16())
+        got_flash = torch.autograd.grad(y_flash, flash, dy)
+        got_ours = torch.autograd.grad(y_ours, ours, dy)
         for name, a, f, w in zip("qkv", got_ours, got_flash, want):
             assert a.dtype == torch.bfloat16 and a.shape == w.shape
             err, flash_err = ((g.double() - w).norm() / w.norm() for g in (a, f))
-            assert err <= 1.1 * flash_err and err < 4 * 2.0 ** -8, (b, s, name, float(err), float(flash_err))
+            assert err <= 1.02 * flash_err and err < 4 * 2.0 ** -8, (b, s, name, float(err), float(flash_err))
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
     for args, plain in (((q.float(), q.float(), q.float()), True), ((q.detach(),) * 3, True), ((q, q, q), False)):
         node = ca.core_attention(*args, causal).grad_fn
