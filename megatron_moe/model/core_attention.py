@@ -16,15 +16,16 @@ q k^T and dO v^T are fp32 GEMMs of the bf16 inputs (exact products, fp32 sums, n
 the scores, as in the flash kernel; torch has no bf16 -> fp32 GEMM on the CPU). Causal rows of
 query block i need keys up to the block's end only: the blocks above the diagonal are not computed.
 Why: torch 2.13's CPU flash backward takes ~5x its forward in bf16, longer than in fp32; forward +
-backward here take 0.56-0.92x of flash's (docs/performance.md "bf16"), with the same error against
-a float64 reference (tests/unit/test_model.py). Slower than flash from s ~ 1024 on, and its memory
-is O(s^2) per chunk where flash's is O(s): hence `MAX_RECOMPUTE_SEQ`.
+backward here take 0.56-0.92x of flash's (docs/performance.md "bf16"), and its gradients are at
+least as close to float64 as flash's (tests/unit/test_model.py). Slower than flash from s ~ 1024
+on, and its memory is O(s^2) per chunk where flash's is O(s): hence `MAX_RECOMPUTE_SEQ`.
 
-The exponent is clamped to [`EXP_FLOOR`, 0] before `exp`: the vectorized exp takes a slow path for
--inf, for results that underflow and for ones that overflow (7x and 28x slower per element here for
-the first two). exp(-80) ~ 1.8e-35 is a normal float that moves no row sum (every row has an entry
->= 1/s); the clamp at 0 moves only rounding (the log-sum-exp bounds every score it summed); the
-entries above the diagonal, whose exponents may be anything, are then set to 0.
+The exponent is clamped to [`EXP_FLOOR`, 0] before `exp`: the vectorized exp takes slow paths for
+-inf (7x slower per element here), for results that underflow to 0 (28x), for results in the
+denormal range (140x) and for ones that overflow. exp(-80) ~ 1.8e-35 is a normal float that moves
+no row sum (every row has an entry >= 1/s); the clamp at 0 moves only rounding (the log-sum-exp
+bounds every score it summed); the entries above the diagonal, whose exponents may be anything,
+are then set to 0.
 """
 from __future__ import annotations
 
