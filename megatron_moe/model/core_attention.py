@@ -78,11 +78,14 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     q32, k32, v32, g32 = q.float().mul_(scale), k.float(), v.float(), g32.mul_(scale)  # scale folded into q, dO
     above = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1) if causal else None
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    chunk, block = max(1, _HEADS_BYTES // (4 * s * s)), -(-s // _BLOCKS)
+    chunk, block = min(rows, max(1, _HEADS_BYTES // (4 * s * s))), -(-s // _BLOCKS)
+    # P and dS of one chunk of heads, bf16, reused by every chunk: the blocks above the diagonal
+    # are never written and stay 0
+    probs_buffer = q.new_zeros(chunk, s, s)
+    dscores_buffer = torch.zeros_like(probs_buffer)
     for h in range(0, rows, chunk):
         hs = slice(h, h + chunk)
-        probs = q.new_zeros(min(chunk, rows - h), s, s)  # P, bf16; blocks above the diagonal stay 0
-        dscores = torch.zeros_like(probs)  # dS, bf16
+        probs, dscores = probs_buffer[:min(chunk, rows - h)], dscores_buffer[:min(chunk, rows - h)]
         for r0 in range(0, s, block):
             r1 = min(r0 + block, s)
             keys = r1 if causal else s  # causal: query i sees keys <= i

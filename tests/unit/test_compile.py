@@ -34,8 +34,8 @@ def test_compile_installs_the_compiled_moe_pieces():
     model = GPTMoEModel(cfg, ParallelState.single_process())
     layers = [layer for layer in model.modules() if getattr(layer, "is_moe", False)]
     assert len(layers) == cfg.model.num_layers
-    assert all(layer.ffn.schedule.weighted_sum is gate_weighted_sum and layer.ffn.experts.activation_fn is ffn_activation
-               for layer in layers)
+    assert all(layer.ffn.schedule.weighted_sum is gate_weighted_sum
+               and layer.ffn.experts.activation_fn is ffn_activation for layer in layers)
     compile_layers(layers)
     sums = {id(layer.ffn.schedule.weighted_sum) for layer in layers}
     activations = {id(layer.ffn.experts.activation_fn) for layer in layers}

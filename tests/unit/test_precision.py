@@ -123,7 +123,8 @@ def test_compile_and_recompute_in_bf16():
     (model/core_attention.py, a custom op inside the compiled graph)."""
     u = 2.0 ** -8
     bf16 = ["training.precision=bf16"]
-    runs = {(): tiny_model_steps(bf16, steps=2), ("model.dropout=0.0",): tiny_model_steps(bf16 + ["model.dropout=0.0"], steps=2)}
+    runs = {(): tiny_model_steps(bf16, steps=2),
+            ("model.dropout=0.0",): tiny_model_steps(bf16 + ["model.dropout=0.0"], steps=2)}
     for base, extra, loss_tol, grad_tol in (((), ["training.recompute=full"], 0.0, 0.0),
                                             ((), ["training.recompute=selective"], 0.0, 0.0),
                                             ((), ["training.compile=true"], 2 * u, 8 * u),
