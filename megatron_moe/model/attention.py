@@ -31,12 +31,20 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.core_attention import core_attention
 from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm
 from megatron_moe.model.recompute import recomputed
-from megatron_moe.model.rotary import apply_rotary, rotary_cos_sin
+from megatron_moe.model.rotary import RotaryTables, apply_rotary
 from megatron_moe.tensor_parallel import ColumnParallelLinear, Dropout, DropoutRNG, RowParallelLinear
 
 
 def head_dim(cfg: ModelConfig) -> int:
     return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rotary_tables(cfg: ModelConfig) -> Optional[RotaryTables]:
+    """The rotary cos / sin tables for `model.seq_length` positions (one per stage, shared by its
+    layers: model/pipeline_stages.py), or None without rotary positions."""
+    if cfg.position_embedding != "rope":
+        return None
+    return RotaryTables(cfg.seq_length, head_dim(cfg), cfg.rope_theta)
 
 
 def query_groups(cfg: ModelConfig) -> int:
@@ -70,16 +78,19 @@ def check_attention_config(config: Config, world_size: int) -> None:
 
 class SelfAttention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG, *, output_std: float,
-                 causal: bool = True, recompute: bool = False):
+                 causal: bool = True, recompute: bool = False, rotary: Optional[RotaryTables] = None):
         """`recompute`: keep only q, k, v of the core attention and run it again in backward
-        (`training.recompute=selective`, model/recompute.py)."""
+        (`training.recompute=selective`, model/recompute.py). `rotary`: the stage's shared cos / sin
+        tables (model.position_embedding=rope; built here when not given)."""
         super().__init__()
         h, heads, groups = cfg.hidden_size, cfg.num_attention_heads, query_groups(cfg)
         self.head_dim = d = head_dim(cfg)
         self.local_heads, self.local_groups = heads // state.tp_size, groups // state.tp_size
         self.per_group = heads // groups  # query heads per key/value head
         self.causal = causal
-        self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
+        self.rotary = None
+        if cfg.position_embedding == "rope":
+            self.rotary = rotary if rotary is not None else rotary_tables(cfg)
         qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, state, bias=qkv_bias, std=cfg.init_std)
         self.q_norm, self.k_norm = build_qk_norms(cfg, state, heads, groups, d)
@@ -99,8 +110,8 @@ class SelfAttention(torch.nn.Module):
             q, k = qk.split([per_group, 1], dim=3)
             q = self.q_norm(q.reshape(b, s, self.local_heads, d)).view(q.shape)
             qk = torch.cat([q, self.k_norm(k.squeeze(3)).unsqueeze(3)], dim=3)
-        if self.rope_theta is not None:  # queries and keys in one pass
-            cos, sin = rotary_cos_sin(s, d, self.rope_theta, x.device)
+        if self.rotary is not None:  # queries and keys in one pass
+            cos, sin = self.rotary(s)
             qk = apply_rotary(qk, cos, sin, seq_dim=1)
         q, k = qk.split([per_group, 1], dim=3)
         q = q.reshape(b, s, self.local_heads, d)  # [b, s, heads/tp, d]

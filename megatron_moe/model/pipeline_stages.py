@@ -27,6 +27,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed.launch import default_device
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.attention import rotary_tables
 from megatron_moe.model.compile import compile_layers
 from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
@@ -140,7 +141,9 @@ class StagedModel(torch.nn.Module):
             self.embedding = Embedding(m, state, self.dropout_rng, num_token_types=num_token_types)
         elif self.stage.has_head and tied_head:  # the output layer's copy of the word table
             self.embedding = Embedding(m, state, self.dropout_rng, word_only=True)
-        self.layers = LayerStack({i: TransformerLayer(cfg, state, i, self.dropout_rng, causal=causal)
+        self.rotary = rotary_tables(m)  # rope: cos / sin computed once, shared by the layers
+        self.layers = LayerStack({i: TransformerLayer(cfg, state, i, self.dropout_rng, causal=causal,
+                                                      rotary=self.rotary)
                                   for chunk in self.stage.layers for i in chunk}, self.stage.layers)
         self.final_norm = build_norm(m, state) if self.stage.has_head else None
         self.tied_head = tied_head

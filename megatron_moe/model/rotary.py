@@ -8,6 +8,13 @@ is one autograd node (`_Rotary`) over queries and keys together: per half, one p
 `addcmul_` into a preallocated output (no `rotate_half` concatenation), and backward is the same
 rotation by the negated angle (a rotation's transpose), with no autograd graph of slices, negations
 and concatenations to walk back. Under `torch.compile` it is the plain formula, which Inductor fuses.
+
+`RotaryTables` holds cos / sin for positions up to `model.seq_length`, computed once per model (one
+module shared by the layers of a stage, as Megatron-Core's `RotaryEmbedding` computes them once per
+forward for all layers). Recomputed in each layer's forward they cost little eagerly, but under
+`training.compile` Inductor inlines their formula (`theta ** (-2i/d)`, cos, sin) into the rotary
+kernel and evaluates it again for every element of queries and keys, forward and backward: powf,
+cosf and sinf per element, ~8 % of a compiled bf16 step of docs/performance.md's shape.
 """
 from __future__ import annotations
 
@@ -23,6 +30,25 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float,
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, d]
     return angles.cos(), angles.sin()
+
+
+class RotaryTables(torch.nn.Module):
+    """cos, sin `[max_len, head_dim]` (fp32) of `rotary_cos_sin`, as non-persistent buffers: not in
+    checkpoints, moved with the model, kept fp32 by `cast_params_`. `forward(seq_len)` returns the
+    first `seq_len` rows (the same values `rotary_cos_sin(seq_len, ...)` computes), or computes
+    them for a sequence longer than `max_len`."""
+
+    def __init__(self, max_len: int, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        cos, sin = rotary_cos_sin(max_len, head_dim, theta, torch.device("cpu"))
+        self.register_buffer("cos", cos, persistent=False)  # [max_len, d]
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.cos.shape[0]:
+            return rotary_cos_sin(seq_len, self.head_dim, self.theta, self.cos.device)
+        return self.cos[:seq_len], self.sin[:seq_len]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from megatron_moe.model.mlp import MLP
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.param_meta import residual_output_std
 from megatron_moe.model.recompute import recomputed
+from megatron_moe.model.rotary import RotaryTables
 from megatron_moe.config.registry import Registry
 from megatron_moe.tensor_parallel import Dropout, DropoutRNG
 
@@ -34,14 +35,14 @@ def is_moe_layer(layer_index: int, layer_freq: int) -> bool:
 
 class TransformerLayer(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState, layer_index: int, rng: DropoutRNG, *,
-                 causal: bool = True):
+                 causal: bool = True, rotary: Optional[RotaryTables] = None):
         super().__init__()
         m = cfg.model
         self.layer_index = layer_index
         output_std = residual_output_std(m)
         self.attention_norm = build_norm(m, state)
         self.attention = SelfAttention(m, state, rng, output_std=output_std, causal=causal,
-                                       recompute=cfg.training.recompute == "selective")
+                                       recompute=cfg.training.recompute == "selective", rotary=rotary)
         self.ffn_norm = build_norm(m, state)
         self.is_moe = is_moe_layer(layer_index, cfg.moe.layer_freq)
         if self.is_moe:

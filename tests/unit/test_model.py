@@ -303,6 +303,28 @@ def test_rotary_node_matches_complex_rotation(dtype):
             assert err <= tol, (shape, float(err))
 
 
+def test_rotary_tables_computed_once_per_stage():
+    """`RotaryTables` (model/rotary.py): one module shared by every layer of a model, its rows
+    exactly `rotary_cos_sin`'s (computed for a longer sequence than `model.seq_length`), fp32
+    after the bf16 cast, not in the state dict, and moved with the model."""
+    from megatron_moe.model.precision import cast_params_
+    from megatron_moe.model.rotary import rotary_cos_sin
+    cfg = _config(MIXTRAL)
+    model = GPTMoEModel(cfg, SINGLE)
+    tables = {id(layer.attention.rotary) for layer in model.layers}
+    assert tables == {id(model.rotary)}
+    d, theta = cfg.model.hidden_size // cfg.model.num_attention_heads, cfg.model.rope_theta
+    for s in (1, 5, cfg.model.seq_length, cfg.model.seq_length + 3):
+        want = rotary_cos_sin(s, d, theta, torch.device("cpu"))
+        for got, ref in zip(model.rotary(s), want):
+            assert torch.equal(got, ref), s
+    cast_params_(model, "bf16")
+    assert model.rotary.cos.dtype == model.rotary.sin.dtype == torch.float32
+    assert not any("rotary" in name for name in model.state_dict())
+    assert model.to(torch.device("meta")).rotary.cos.is_meta
+    assert GPTMoEModel(_config(GPT2), SINGLE).rotary is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_node_is_autograd_bit_for_bit(dtype):
     """`ffn_activation`'s SwiGLU node (model/mlp.py) writes d gate and d up into the halves of one
