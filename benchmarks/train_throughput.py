@@ -32,10 +32,12 @@ keeps freed memory in the process for all sides, as training sets it (perf/host_
 fp32 main gradients and master weights: `MixedPrecisionAdamW`), compiled too; next to it, in the
 same rotation, ours in fp32 (`ours_fp32`), HF in fp32 (`hf`), HF under `torch.autocast` bf16
 with fp32 weights (`hf_autocast`) and HF loaded in bf16 with AdamW on the bf16 weights
-(`hf_bf16`), all from the same initial weights; the floor's GEMMs run in bf16 (`matmul_floor_ms`,
-measured as the fp32 one). Ratios: `ours_vs_floor` (step / floor), and the speedups (> 1: ours
-faster) `ours_vs_best_hf_bf16` (against the faster of HF's two bf16 options in each round; also
-`ours_compiled_vs_best_hf_bf16`), `ours_vs_hf` (HF fp32), `ours_vs_ours_fp32`.
+(`hf_bf16`), all from the same initial weights, and, unless --no-compile, ours compiled in fp32
+(`ours_fp32_compiled`); the floor's GEMMs run in bf16 (`matmul_floor_ms`, measured as the fp32
+one). Ratios: `ours_vs_floor` (step / floor), and the speedups (> 1: ours faster)
+`ours_vs_best_hf_bf16` (against the faster of HF's two bf16 options in each round; also
+`ours_compiled_vs_best_hf_bf16`), `ours_vs_hf` (HF fp32), `ours_vs_ours_fp32` (eager against
+eager) and `ours_compiled_vs_ours_fp32_compiled` (compiled against compiled).
 
 Warm-up: on the CPU, oneDNN JIT-compiles a bf16 GEMM kernel for each new shape (3-5 ms each;
 `moe/grouped_gemm.py`), and the experts' row counts (rounded to buckets of 32) keep taking new
@@ -220,6 +222,9 @@ def main(argv=None) -> int:
     if args.precision == "bf16":  # the same initial weights in every side (ours: bf16-rounded, fp32 masters)
         sides["ours_fp32"] = (*build_ours(load_config(args.config, overrides + ["training.precision=fp32"])),
                               step_ours)
+        if not args.no_compile:
+            sides["ours_fp32_compiled"] = (*build_ours(load_config(
+                args.config, overrides + ["training.precision=fp32", "training.compile=true"])), step_ours)
         sides["hf_autocast"] = (*build_hf(cfg, ours), step_hf_autocast)
         sides["hf_bf16"] = (*build_hf(cfg, ours, torch.bfloat16), step_hf)
     b, s = cfg.training.micro_batch_size, cfg.model.seq_length
@@ -270,7 +275,8 @@ def main(argv=None) -> int:
                        "ours_vs_ours_fp32": paired("ours_fp32", "ours"),
                        "peak_vs_fp32": round(peak["ours"] / peak["ours_fp32"], 3)})
         if "ours_compiled" in ms:
-            ratios["ours_compiled_vs_best_hf_bf16"] = paired(["hf_autocast", "hf_bf16"], "ours_compiled")
+            ratios.update({"ours_compiled_vs_best_hf_bf16": paired(["hf_autocast", "hf_bf16"], "ours_compiled"),
+                           "ours_compiled_vs_ours_fp32_compiled": paired("ours_fp32_compiled", "ours_compiled")})
     print(json.dumps({
         "config": {"overrides": overrides, "steps": args.steps, "warmup": args.warmup,
                    "torch": torch.__version__, "transformers": transformers.__version__},

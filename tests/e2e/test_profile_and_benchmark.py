@@ -212,6 +212,25 @@ def test_train_throughput_bf16_sides():
     assert out["matmul_floor_ms"] > 0 and "training.precision=bf16" in out["config"]["overrides"]
 
 
+def test_bf16_loss_curve_over_seeds():
+    """benchmarks/bf16_loss_curve.py --seeds (issue #29): each seed trains fp32 and bf16 from its
+    own initial weights; the seed-averaged curves are the mean of the seeds' curves, and their gaps
+    are reported next to each seed's."""
+    proc = subprocess.run([sys.executable, "benchmarks/bf16_loss_curve.py", "--iters", "3", "--seeds", "1,2",
+                           "training.micro_batch_size=1"], capture_output=True, text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["config"]["seeds"] == [1, 2] and [run["seed"] for run in out["per_seed"]] == [1, 2]
+    first, second = (run["loss_at"] for run in out["per_seed"])
+    assert first["fp32"]["1"] != second["fp32"]["1"]  # other initial weights
+    for precision in ("fp32", "bf16"):
+        for i in ("1", "3"):
+            mean = (first[precision][i] + second[precision][i]) / 2
+            assert out["loss_at_seed_mean"][precision][i] == pytest.approx(mean, abs=1e-4), (precision, i)
+    for gaps in (out["seed_mean"], *out["per_seed"]):
+        assert 0 <= gaps["mean_rel_gap"] <= gaps["max_rel_gap"] < 0.05
+
+
 def test_recompute_benchmark_keeps_the_loss(one_thread):
     """benchmarks/recompute.py (issue #16): each level's step (run here in this process: the
     benchmark gives each its own process only so that peaks do not mix) has the plain step's loss
