@@ -98,7 +98,7 @@ def build_ours(cfg):
     model = GPTMoEModel(cfg, ParallelState.single_process())
     init_model_from_seed_(model, cfg.training.seed, ParallelState.single_process())
     cast_params_(model, cfg.training.precision)  # bf16: as the trainer does (model/precision.py)
-    return model, build_optimizer(model, cfg.optimizer)
+    return model, build_optimizer(model, cfg.optimizer, compiled=cfg.training.compile)
 
 
 def build_hf(cfg, ours, dtype=torch.float32):

@@ -12,6 +12,11 @@ Compiled regions, per layer (`compile_layers`):
   5.4 -> 2.3 ms per layer at docs/performance.md's bf16 shape). Routing, dispatch and the grouped
   GEMMs stay eager: they read counts on the host and run variable-size collectives.
 
+In bf16 (`training.precision: bf16`) the optimizer step is compiled too: AdamW on the fp32 masters
+and their copy into the bf16 weights in one pass (`MixedPrecisionAdamW(compiled=True)`,
+training/mixed_precision.py; built by the trainer from `training.compile`; `optimizer.distributed`'s
+sharded step stays eager).
+
 What TorchDynamo cannot trace runs eagerly inside a compiled region (a graph break), with
 the same result: the tensor-parallel collectives (`collectives.py` keeps its byte counters) and
 dropout drawn from the model's own generators (`tensor_parallel/random.py`), so dropout masks

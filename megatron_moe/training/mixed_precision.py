@@ -14,9 +14,19 @@ moments (moe/vexpert_moves.py `state_entries`). `load_state_dict` keeps the stat
 
 The distributed optimizer (training/distributed_optimizer.py) does the same on its shards: the
 fp32 master shard is what AdamW steps, next to the sharded moments.
+
+With `training.compile` (`compiled=True`) the step is one TorchInductor graph per parameter group
+(`_adamw_into_params`): torch's AdamW arithmetic (the same operations as its single-tensor and
+foreach implementations, bias corrections from each parameter's own step count) and the copy of
+each master into its bf16 parameter fuse into one pass over each tensor, where the fused kernel
+and `_foreach_copy_` read the masters twice. The Mixtral-shaped step of docs/performance.md
+(14.2M parameters): 27-29 ms -> 17-21 ms. The learning rate and the step counts are tensors in the
+graph, so a schedule does not recompile it; a parameter that changes shape (FlexMoE's vExpert
+stacks) does (Dynamo then marks the sizes that changed dynamic).
 """
 from __future__ import annotations
 
+import functools
 from typing import List
 
 import torch
@@ -28,9 +38,10 @@ from megatron_moe.model.precision import MainGrads, grad_of
 class MixedPrecisionAdamW(torch.optim.Optimizer):
     """AdamW over fp32 masters of bf16 parameters, gradients from their fp32 `main_grad` (module docstring)."""
 
-    def __init__(self, param_groups: List[dict], *, lr: float, betas, eps: float, fused: bool = False):
+    def __init__(self, param_groups: List[dict], *, lr: float, betas, eps: float, fused: bool = False,
+                 compiled: bool = False):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
-        self.fused = fused
+        self.fused, self.compiled = fused, compiled
         params = [p for group in self.param_groups for p in group["params"]]
         self.main_grads = MainGrads(params)
         for p in params:
@@ -59,6 +70,15 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             masters = [st["master"] for st in states]
+            if self.compiled:
+                steps = [st["step"] for st in states]
+                torch._foreach_add_(steps, 1.0)
+                step_sizes, bias2_sqrts = _bias_corrections(steps, group["lr"], beta1, beta2)
+                decay = torch.tensor(1.0 - group["lr"] * group["weight_decay"], device=masters[0].device)
+                _compiled_adamw()(masters, [grad_of(p) for p in params], [st["exp_avg"] for st in states],
+                                  [st["exp_avg_sq"] for st in states], params, step_sizes, bias2_sqrts, decay,
+                                  beta1=beta1, beta2=beta2, eps=group["eps"])
+                continue
             adam(
                 masters, [grad_of(p) for p in params], [st["exp_avg"] for st in states],
                 [st["exp_avg_sq"] for st in states], [], [st["step"] for st in states],
@@ -87,3 +107,39 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             fresh = self.fresh_state(p, None if master is None else master.to(p.device, torch.float32).clone())
             fresh.update({k: v.to(p.device, torch.float32).clone() for k, v in st.items() if k != "master"})
             self.state[p] = fresh
+
+
+def _bias_corrections(steps, lr: float, beta1: float, beta2: float):
+    """([lr / (1 - beta1^t)], [sqrt(1 - beta2^t)]) per parameter, 0-dim tensors, from each one's
+    step count t, computed outside the compiled graph: inside it Inductor would evaluate the powers
+    once per element."""
+    step_sizes = torch._foreach_pow(beta1, steps)
+    torch._foreach_mul_(step_sizes, -1.0)
+    torch._foreach_add_(step_sizes, 1.0)
+    torch._foreach_reciprocal_(step_sizes)
+    torch._foreach_mul_(step_sizes, lr)
+    bias2_sqrts = torch._foreach_pow(beta2, steps)
+    torch._foreach_mul_(bias2_sqrts, -1.0)
+    torch._foreach_add_(bias2_sqrts, 1.0)
+    torch._foreach_sqrt_(bias2_sqrts)
+    return step_sizes, bias2_sqrts
+
+
+def _adamw_into_params(masters, grads, exp_avgs, exp_avg_sqs, params, step_sizes, bias2_sqrts, decay: torch.Tensor,
+                       *, beta1: float, beta2: float, eps: float) -> None:
+    """torch's AdamW (decoupled weight decay: `decay` = 1 - lr * weight_decay; `step_sizes`,
+    `bias2_sqrts` from `_bias_corrections`) on the fp32 `masters`, then each master into its bf16
+    parameter. Compiled (`_compiled_adamw`), one pass per tensor."""
+    for master, grad, exp_avg, exp_avg_sq, param, step_size, bias2_sqrt in zip(
+            masters, grads, exp_avgs, exp_avg_sqs, params, step_sizes, bias2_sqrts):
+        master.mul_(decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        master.sub_(exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps) * step_size)
+        param.copy_(master)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_adamw():
+    """`_adamw_into_params` compiled once per process (a graph per parameter group's shapes)."""
+    return torch.compile(torch.no_grad()(_adamw_into_params))

@@ -33,9 +33,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optional[ParallelState] = None):
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optional[ParallelState] = None,
+                    compiled: bool = False):
     """AdamW over the model's parameters, or with `optimizer.distributed` over this rank's ZeRO-1
-    shards of them (training/distributed_optimizer.py; needs `state`)."""
+    shards of them (training/distributed_optimizer.py; needs `state`). `compiled`
+    (`training.compile`): bf16 parameters' AdamW and master copy as one compiled pass
+    (training/mixed_precision.py)."""
     if cfg.distributed:
         return DistributedOptimizer(model, cfg, state or ParallelState.single_process())
     params = [p for p in model.parameters() if p.requires_grad]
@@ -43,7 +46,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optiona
         from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
 
         return MixedPrecisionAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused_ok(params))
+                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused_ok(params),
+                                   compiled=compiled)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=True if fused_ok(params) else None)

@@ -79,7 +79,7 @@ class Trainer:
         self.cfg, self.state = cfg, state
         torch.manual_seed(tr.seed + state.dp.rank)  # same stream on TP ranks, distinct per data replica
         self.model = cast_params_(model_cls(cfg, state).to(self.device), tr.precision)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, state)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, state, compiled=tr.compile)
         self.lr_schedule = LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
         if isinstance(self.optimizer, DistributedOptimizer):
             self.grads = self.optimizer  # reduce-scatters into its shards, norm and clip over them

@@ -30,6 +30,48 @@ def _trainer(tmp, name, extra=()):
     return Trainer(_config(tmp, name, extra), ParallelState.single_process(), datasets=synthetic_datasets)
 
 
+def test_compiled_master_step_is_adamw():
+    """`compiled=True` (training.compile): AdamW and the master -> bf16 copy as one compiled pass
+    per group equal torch's AdamW on fp32 copies to fp32 rounding, each parameter's bias
+    correction from its own step count (a state made fresh mid-run, as a vExpert move makes it),
+    the parameters the bf16 rounding of the masters; a changing learning rate does not recompile."""
+    from torch._dynamo.utils import counters
+    one = ParallelState.single_process()
+    torch.manual_seed(0)
+    shapes = [(5, 3), (4, 3), (3,)]
+    params = [make_param(ParamMeta("dense", shape, role="weight" if len(shape) == 2 else "bias"), one)
+              for shape in shapes]
+    for p in params:
+        p.data.normal_()
+    ref = [torch.nn.Parameter(p.detach().bfloat16().float()) for p in params]
+    for p in params:
+        p.data = p.data.bfloat16()
+    ours = MixedPrecisionAdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+                               lr=1e-2, betas=(0.9, 0.95), eps=1e-8, compiled=True)
+    theirs = torch.optim.AdamW([{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "weight_decay": 0.0}],
+                               lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    graphs = []
+    for step in range(5):
+        for group, other in zip(ours.param_groups, theirs.param_groups):
+            group["lr"] = other["lr"] = 1e-2 * (step + 1) / 5  # a warm-up schedule
+        if step == 2:  # params[1] starts over, in both
+            ours.state[params[1]] = ours.fresh_state(params[1], ours.state[params[1]]["master"])
+            del theirs.state[ref[1]]
+        ours.zero_grad()
+        for p, r in zip(params, ref):
+            r.grad = torch.randn(r.shape, generator=torch.Generator().manual_seed(step))
+            p.main_grad.copy_(r.grad)
+        ours.step()
+        theirs.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[0] > 0, graphs  # compiled in the first step only (lr and steps are tensors)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(ours.state[p]["master"], r.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours.state[p]["exp_avg_sq"], theirs.state[r]["exp_avg_sq"], rtol=1e-6, atol=0)
+        assert torch.equal(p.detach(), ours.state[p]["master"].bfloat16())
+    assert float(ours.state[params[1]]["step"]) == 3 and float(ours.state[params[0]]["step"]) == 5
+
+
 def test_bf16_model_accumulates_fp32_main_grads():
     """Parameters bf16, gradients of two micro-batches summed in fp32 `main_grad`, nothing left
     in `.grad`; router logits and the loss fp32."""
