@@ -30,6 +30,17 @@ def _trainer(tmp, name, extra=()):
     return Trainer(_config(tmp, name, extra), ParallelState.single_process(), datasets=synthetic_datasets)
 
 
+def _step_both(ours, theirs, params, ref, step: int) -> None:
+    """One step of MixedPrecisionAdamW over bf16 `params` and of torch's AdamW over their fp32
+    copies `ref`, with the same random gradients (fp32 main gradients for ours)."""
+    ours.zero_grad()
+    for p, r in zip(params, ref):
+        r.grad = torch.randn(r.shape, generator=torch.Generator().manual_seed(step))
+        p.main_grad.copy_(r.grad)
+    ours.step()
+    theirs.step()
+
+
 def test_compiled_master_step_is_adamw():
     """`compiled=True` (training.compile): AdamW and the master -> bf16 copy as one compiled pass
     per group equal torch's AdamW on fp32 copies to fp32 rounding, each parameter's bias
@@ -57,12 +68,7 @@ def test_compiled_master_step_is_adamw():
         if step == 2:  # params[1] starts over, in both
             ours.state[params[1]] = ours.fresh_state(params[1], ours.state[params[1]]["master"])
             del theirs.state[ref[1]]
-        ours.zero_grad()
-        for p, r in zip(params, ref):
-            r.grad = torch.randn(r.shape, generator=torch.Generator().manual_seed(step))
-            p.main_grad.copy_(r.grad)
-        ours.step()
-        theirs.step()
+        _step_both(ours, theirs, params, ref, step)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] == graphs[0] > 0, graphs  # compiled in the first step only (lr and steps are tensors)
     for p, r in zip(params, ref):
@@ -110,12 +116,7 @@ def test_master_weights_step_like_fp32_adamw():
     theirs = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     for step in range(3):
-        ours.zero_grad()
-        for p, r in zip(params, ref):
-            r.grad = torch.randn(r.shape, generator=torch.Generator().manual_seed(step))
-            p.main_grad.copy_(r.grad)
-        ours.step()
-        theirs.step()
+        _step_both(ours, theirs, params, ref, step)
     for p, r in zip(params, ref):
         assert torch.equal(ours.state[p]["master"], r.detach())
         assert torch.equal(p.detach(), r.detach().bfloat16())
