@@ -106,8 +106,8 @@ class RankLayout:
         # rank: the ep below it, or those in [node start, rank) where the node starts inside the group
         ep_node = min(ep, rank % self.node_size // self.expert_shard)
         last = self.pipeline > 1 and pp == self.pipeline - 1
-        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "ep_node": ep_node, "esp": esp, "ep_esp": inner, "edp": edp,
-                "embedding": int(last), "world": rank}
+        return {"tp": tp, "dp": dp, "pp": pp, "ep": ep, "ep_node": ep_node, "esp": esp, "ep_esp": inner,
+                "edp": edp, "embedding": int(last), "world": rank}
 
     def groups(self, name: str) -> List[List[int]]:
         """All groups of one kind, each a sorted rank list; together they partition the world."""

@@ -57,7 +57,8 @@ def test_compiled_master_step_is_adamw():
     ref = [torch.nn.Parameter(p.detach().bfloat16().float()) for p in params]
     for p in params:
         p.data = p.data.bfloat16()
-    ours = MixedPrecisionAdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+    ours = MixedPrecisionAdamW([{"params": params[:2], "weight_decay": 0.1},
+                                {"params": params[2:], "weight_decay": 0.0}],
                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, compiled=True)
     theirs = torch.optim.AdamW([{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "weight_decay": 0.0}],
                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)

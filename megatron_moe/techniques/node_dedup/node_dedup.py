@@ -188,7 +188,8 @@ class NodeDedup:
         s = self.schedule
         ep, fill = s.state.ep, s.backward_fill()
         out = out.index_select(0, inverse_permutation(ctx.recv_order))  # as received: proxy-major
-        back = C.all_to_all_v_autograd(out, ctx.recv2, ctx.send2, self.ep_node, backward_fill=fill)  # hop 2 back [F, h]
+        back = C.all_to_all_v_autograd(out, ctx.recv2, ctx.send2, self.ep_node,  # hop 2 back [F, h]
+                                       backward_fill=fill)
         partial = s.weighted_sum(back, ctx.weights, ctx.forwarded, ctx.weights.shape[0]).to(back.dtype)  # [R', h]
         returned = C.all_to_all_v_autograd(partial, ctx.recv, ctx.send, ep,  # hop 1 back [R, h]
                                            while_in_flight=s.hooks.combining(), backward_fill=fill)
