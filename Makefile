@@ -1,18 +1,24 @@
-# Quickstart targets. Without an active virtual environment, a local .venv is created.
+# Quickstart targets. Without an active virtual environment, a local .venv is created and used;
+# `make test PY=python` (any interpreter) uses that one and creates no .venv (the launch scripts
+# would pick an empty one: scripts/python_env.sh).
 # torch==2.13.0 is installed first (CPU build) so nothing pulls a CUDA build.
 # `make demo ARGS="moe.top_k=1 training.train_iters=20"` passes config overrides to the demo run.
+VENV_PY := .venv/bin/python
 ifdef VIRTUAL_ENV
 PY := python
 else
-PY := .venv/bin/python
+PY := $(VENV_PY)
 endif
 
 .PHONY: setup demo test test-gpu test-cluster clean
 
 setup: .setup-stamp
 
-.setup-stamp: pyproject.toml
-	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+$(VENV_PY):
+	python3 -m venv .venv
+
+# the .venv (order-only: made if missing) only when PY is its python
+.setup-stamp: pyproject.toml | $(filter $(VENV_PY),$(PY))
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
@@ -30,8 +36,12 @@ TEST_WORKERS ?= 3
 test: setup
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu and not cluster" -n $(TEST_WORKERS) --dist loadfile tests
 
-# on a GPU node (a CUDA build of torch): the same exactness checks on NCCL with one process per GPU,
-# bf16, a benchmark smoke run (README, "On a GPU node"); skipped, with the reason, without GPUs
+# on a GPU node (a CUDA build of torch), `pytest -m gpu`: the CPU suite's exactness checks on NCCL, one
+# process per GPU (every schedule and balancer, node_dedup, vExperts with edp 2, pipeline and ZeRO-1,
+# checkpoints, bf16 layouts against one GPU, layout invariance through pretrain_gpt_moe.py), NCCL's
+# rules (group devices, moves on a subset of ranks), the host syncs under CUDA's sync debug mode,
+# a benchmarks/moe_layer.py run on 2 GPUs and a train_throughput.py bf16 smoke run printing tokens/s
+# and MFU (README, "On a GPU node"); skipped, with the reason, without enough GPUs
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu -rs tests
 

@@ -37,7 +37,7 @@ from bf16_loss_curve import running_mean
 from megatron_moe.config import load_config
 from megatron_moe.perf import timing
 from megatron_moe.perf.machine import load_average, machine_info
-from megatron_moe.perf.rank_timing import init_state
+from megatron_moe.distributed.rank_timing import init_state
 from megatron_moe.training.trainer import Trainer
 
 RUNS = {"aux": [], "bias": ["moe.expert_bias=true", "moe.aux_loss_coeff=0.0"], "neither": ["moe.aux_loss_coeff=0.0"]}

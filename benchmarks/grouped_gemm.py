@@ -13,7 +13,8 @@ accumulated as a training step's micro-batches do (set to None first):
   (every group padded to the largest count and one `baddbmm_`; `torch._grouped_mm` into a
   temporary then added; one `addmm_` per non-empty group, in place);
 * `chosen`: `grouped_mm_into_grad` as the trainer runs it (`Groups.own_wgrad_pays` and
-  `Groups.padding_pays` decide).
+  `Groups.padding_pays` decide; the JSON says whether torch's kernel is native here, `native`,
+  and which dW kernel `wgrad_kernel` picks).
 
 Rows alternate within each repetition; per shape the rows are printed fastest first (median ms over
 --reps), then one JSON object. Every row's gradient equals `autograd`'s (checked: relative
@@ -97,9 +98,12 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{r}: gradient differs from autograd's by {error:.2e} (relative norm)")
         key = f"{G}x{R}x{K}x{N}"
         groups = gg.Groups(counts.tolist())
+        native = gg.native_kernel("cpu", None, leaf.dtype, G, K, N)  # the path choice (moe/grouped_gemm.py)
         results[key] = {"ms": {r: round(statistics.median(t), 3) for r, t in times.items()},
                         "max_rows": int(counts.max()), "padding_pays": groups.padding_pays,
-                        "own_wgrad_pays": groups.own_wgrad_pays(torch.device("cpu"), G * K * N)}
+                        "own_wgrad_pays": groups.own_wgrad_pays(torch.device("cpu"), G * K * N),
+                        "native": native, "wgrad_kernel": gg.wgrad_kernel("cpu", native, True, groups.padding_pays,
+                                                                          G * K * N)}
         ranked = sorted(rows, key=lambda r: results[key]["ms"][r])
         print(f"{key:>20s}  " + "  ".join(f"{r} {results[key]['ms'][r]:.2f}" for r in ranked), flush=True)
     print(json.dumps({"config": {"micro_batches": args.micro_batches, "reps": args.reps,

@@ -27,7 +27,7 @@ from megatron_moe.config import load_config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.moe.schedules import A2A_KINDS
-from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
+from megatron_moe.distributed.rank_timing import init_state, slowest_rank_seconds
 
 
 def parse_args(argv=None):
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     plain = dict(models["plain"].named_parameters())
     diff = max((float((p.grad - plain[n].grad).abs().max()) for m in models.values()
                 for n, p in m.named_parameters() if p.grad is not None), default=0.0)
-    diff = float(C.all_reduce(torch.tensor([diff], dtype=torch.float64), state.world, op="max"))
+    diff = float(C.all_reduce(state.world.to_device(torch.tensor([diff], dtype=torch.float64)), state.world, op="max"))
 
     def median_ms(values):
         return round(statistics.median(float(v) for v in values[args.warmup:] or values) * 1e3, 3)

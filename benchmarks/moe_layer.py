@@ -27,7 +27,7 @@ hook: expert 0 most popular), so balancers have imbalance to fix. --layers N run
 in a row (each with its own weights), so cross-layer scheduling (Pro-Prophet's Trans prefetch)
 has a layer before to overlap with; per-row loads and replicas are then summed over the layers. Without --profile, the rows
 that need a hardware profile (auto, fastermoe) use one calibrated on these ranks
-(`perf/calibrate.py`, cached). Repetitions are interleaved (rep 1 of every row, then rep 2, ...) so
+(`training/calibrate.py`, cached). Repetitions are interleaved (rep 1 of every row, then rep 2, ...) so
 that load drifts hit every row alike; a repetition's time is the slowest rank's.
 
 Reported per row: median ms over --reps after --warmup; `bytes` (rank 0) and `bytes_all_ranks`
@@ -71,15 +71,16 @@ import torch
 
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
-from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.distributed.parallel_state import side_channels
+from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.model.precision import MainGrads, cast_params_, param_dtype
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.model.transformer import link_moe_layers
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.techniques.parm.parm import Auto
-from megatron_moe.perf.calibrate import resolve_hardware_profile
-from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
+from megatron_moe.training.calibrate import resolve_hardware_profile
+from megatron_moe.distributed.rank_timing import init_state, slowest_rank_seconds
 
 ROWS = {  # name -> (moe.schedule, moe.saa)
     "baseline": ("baseline", False),
@@ -330,8 +331,8 @@ def check_deepspeed_equals_baseline(deepspeed, baseline, x, state, tolerance: fl
     with torch.no_grad():
         ours, _ = baseline(x)
         theirs, _, _ = deepspeed(x)
-    diff = float(C.all_reduce(torch.tensor([float((ours - theirs).abs().max())], dtype=torch.float64),
-                              state.world, op="max"))
+    diff = float(C.all_reduce(state.world.to_device(torch.tensor([float((ours - theirs).abs().max())],
+                                                              dtype=torch.float64)), state.world, op="max"))
     if not diff <= tolerance:
         raise SystemExit(f"DeepSpeed-MoE's output differs from ours by {diff:.3g} (> {tolerance}) on a "
                          "dropless step: the rows would not time the same layer")
@@ -356,7 +357,8 @@ def sum_over_ranks(counters: dict, state) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     state = init_state(args.tensor, args.expert, args.expert_shard, ranks_per_node=args.ranks_per_node,
-                       side_channels=["ep"] if "flexmoe:best_effort" in args.balancer else [])  # as the trainer
+                       side_channels=sorted({name for b in args.balancer  # as the trainer (SIDE_CHANNELS)
+                                             for name in side_channels(layer_config(args, "baseline", False, b))}))
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
     gen = torch.Generator().manual_seed(args.seed + state.dp.rank)  # same tokens on a TP group
@@ -434,7 +436,8 @@ def main(argv=None) -> int:
     results = {}
     for name in times:
         diff = max(float((a - b).abs().max()) for a, b in zip(outputs[name], outputs["baseline"]))
-        diff = float(C.all_reduce(torch.tensor([diff], dtype=torch.float64), state.world, op="max"))
+        diff = float(C.all_reduce(state.world.to_device(torch.tensor([diff], dtype=torch.float64)), state.world,
+                                  op="max"))
         if name == "deepspeed":  # its collectives bypass ours: no byte or wait counters
             results[name] = {"ms_median": round(medians[name], 3), "max_abs_diff_vs_baseline": diff,
                              "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3)}
@@ -452,12 +455,13 @@ def main(argv=None) -> int:
             "replicas": replicas[name], "trans_bytes": bytes_of_kind(bytes_[name], "trans"),
             "agg_bytes": bytes_of_kind(bytes_[name], "agg"),
             "vexpert_moves": moves[name][0], "vexpert_move_bytes": moves[name][1],
-            "vexpert_move_bytes_all_ranks": int(C.all_reduce(torch.tensor([float(moves[name][1])],
-                                                                          dtype=torch.float64), state.world)[0]),
+            "vexpert_move_bytes_all_ranks": int(C.all_reduce(state.world.to_device(
+                torch.tensor([float(moves[name][1])], dtype=torch.float64)), state.world)[0]),
             "vexpert_move_ms": {"exposed": round(move_ms[name][0], 3), "total": round(move_ms[name][1], 3)},
             "memory_per_rank": dict(zip(("param_bytes", "adam_state_bytes", "replica_param_bytes"), C.all_gather(
-                torch.tensor([memory_bytes(layers[name], args.precision, bytes_of_kind(bytes_[name], "agg"))],
-                             dtype=torch.int64), state.world).T.tolist())),
+                state.world.to_device(torch.tensor([memory_bytes(layers[name], args.precision,
+                                                                 bytes_of_kind(bytes_[name], "agg"))],
+                                                   dtype=torch.int64)), state.world).T.tolist())),
         }
         if ROWS[name.split("+")[0]][0] == "auto":
             results[name]["picked"] = picked[name]

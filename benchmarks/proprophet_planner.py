@@ -28,7 +28,7 @@ import torch
 from megatron_moe.techniques.proprophet.proprophet import (Loads, greedy_search, lightweight_placement, predicted_time,
                                                    ratios_to_optimum)
 from megatron_moe.perf import timing
-from megatron_moe.perf.calibrate import ExpertShape
+from megatron_moe.training.calibrate import ExpertShape
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.techniques.proprophet.proprophet_model import ProphetCostModel
 from megatron_moe.sim.traces import zipf_rows

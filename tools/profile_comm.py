@@ -6,7 +6,7 @@ current machines, and write a hardware profile (Parm §V-A / §VI-B; FasterMoE �
 
 Times MP-AllGather (`tp`), EP&ESP-AlltoAll and SAA (`ep_esp`), point-to-point and broadcast
 (`ep`) over a range of message sizes x (elements, fp32), and the expert FFN forward of the given
-shape (x = FLOPs) at several row counts (`megatron_moe/perf/calibrate.py`). Each point is the
+shape (x = FLOPs) at several row counts (`megatron_moe/training/calibrate.py`). Each point is the
 median over --reps of the slowest rank's time; alpha and beta come from a least-squares fit whose
 R^2 is written into the profile with the measured points. `moe.schedule: auto` and
 `moe.balancer: fastermoe` read it through `perf.hardware_profile` (without one they calibrate a
@@ -24,10 +24,10 @@ import sys
 import torch
 
 from megatron_moe.distributed import collectives as C
-from megatron_moe.perf.calibrate import (ExpertShape, fit_description, fit_links, fit_profile, geometric_sizes,
+from megatron_moe.training.calibrate import (ExpertShape, fit_description, fit_links, fit_profile, geometric_sizes,
                                          measure_links, measure_points, recorded)
 from megatron_moe.perf.hardware import OPS, save_profile
-from megatron_moe.perf.rank_timing import init_state
+from megatron_moe.distributed.rank_timing import init_state
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ placements on these ranks.
     torchrun --nproc_per_node 4 tools/proprophet_model_check.py --profile configs/hardware/my.yaml
 
 The profile (--profile, or by default one calibrated first on these ranks with the same code as
-start-up calibration, `perf/calibrate.py`: p2p and expert_compute, the ops the model reads) gives
+start-up calibration, `training/calibrate.py`: p2p and expert_compute, the ops the model reads) gives
 1 / B and 1 / t. Then, for every --skews value, a Zipf routing T [D, E] (`sim/traces.py`, D = the
 world size as EP ranks) is planned with Alg. 1 (`greedy_search`), and at least --replicas
 replicas are forced (heaviest experts first) so that Trans and Agg have something to move. Each
@@ -35,15 +35,15 @@ import torch.nn.functional as F
 
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
-from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.techniques.proprophet.proprophet import Loads, devices_for, greedy_search, lightweight_placement
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.grouped_gemm import grouped_mm
 from megatron_moe.moe.replicas import start_trans
-from megatron_moe.perf.calibrate import ExpertShape, fit_description, fit_profile, measure_points
+from megatron_moe.training.calibrate import ExpertShape, fit_description, fit_profile, measure_points
 from megatron_moe.perf.hardware import load_profile
 from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
-from megatron_moe.perf.rank_timing import init_state, slowest_rank_seconds
+from megatron_moe.distributed.rank_timing import init_state, slowest_rank_seconds
 from megatron_moe.sim.traces import zipf_rows
 
 OPS = ("a2a", "fec", "trans", "agg")

@@ -1,22 +1,30 @@
-"""Train a tokenizer on local text files.
+"""Train a tokenizer on local text files or a corpus of documents.
 
     python tools/train_tokenizer.py --type bpe --input a.txt b.txt --vocab-size 8000 --output-dir tok/
         -> tok/vocab.json + tok/merges.txt (--tokenizer-type GPT2BPETokenizer) and
            tok/tokenizer.json (--tokenizer-type HuggingFaceTokenizer)
-    python tools/train_tokenizer.py --type sentencepiece --input a.txt --vocab-size 8000 --output-dir tok/
+    python tools/train_tokenizer.py --type sentencepiece --input docs.jsonl --json-keys text \\
+        --vocab-size 8000 --output-dir tok/
         -> tok/spm.model (--tokenizer-type SentencePieceTokenizer)
+
+--input: plain text files as they are; JSON lines (or json / parquet / csv / arrow) are read as
+tools/preprocess_data.py reads them: the text under --json-keys, never the JSON around it.
+Prints each tokenizer type's size with its special tokens and the model.vocab_size to use.
 """
 import argparse
 import os
 import sys
+import tempfile
 
-from megatron_moe.data.tokenizer_training import train_bpe, train_sentencepiece
+from megatron_moe.data.tokenizer_training import text_files, train_bpe, train_sentencepiece
+from megatron_moe.data.tokenizers import build_tokenizer, recommended_vocab_size
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--type", choices=["bpe", "sentencepiece"], default="bpe")
-    p.add_argument("--input", nargs="+", required=True, help="local text files")
+    p.add_argument("--input", nargs="+", required=True, help="local text files, or jsonl/json/parquet/csv/arrow")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text is learned (jsonl etc.)")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--min-frequency", type=int, default=2, help="bpe: least count of a merged pair")
@@ -27,16 +35,25 @@ def main(argv=None) -> int:
             print(f"error: {f}: input file not found", file=sys.stderr)
             return 1
     try:
-        if args.type == "bpe":
-            files = train_bpe(args.output_dir, args.vocab_size, files=args.input, min_frequency=args.min_frequency)
-            print(f"wrote {files['vocab_file']}, {files['merge_file']}, {files['tokenizer_json']}")
-        else:
-            model = train_sentencepiece(os.path.join(args.output_dir, "spm"), args.vocab_size, files=args.input,
-                                        model_type=args.sentencepiece_model_type)
-            print(f"wrote {model}")
+        with tempfile.TemporaryDirectory(prefix="train-tokenizer-") as scratch:
+            files = text_files(args.input, args.json_keys, scratch)
+            if args.type == "bpe":
+                out = train_bpe(args.output_dir, args.vocab_size, files=files, min_frequency=args.min_frequency)
+                print(f"wrote {out['vocab_file']}, {out['merge_file']}, {out['tokenizer_json']}")
+                built = {"GPT2BPETokenizer": build_tokenizer("GPT2BPETokenizer", out["vocab_file"], out["merge_file"]),
+                         "HuggingFaceTokenizer": build_tokenizer("HuggingFaceTokenizer",
+                                                                 tokenizer_model=out["tokenizer_json"])}
+            else:
+                model = train_sentencepiece(os.path.join(args.output_dir, "spm"), args.vocab_size, files=files,
+                                            model_type=args.sentencepiece_model_type)
+                print(f"wrote {model}")
+                built = {"SentencePieceTokenizer": build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for name, tok in built.items():
+        print(f"{name}: {tok.describe()}; model.vocab_size >= {tok.vocab_size} "
+              f"(Megatron pads to a multiple of 128: {recommended_vocab_size(tok.vocab_size)})")
     return 0
 
 

@@ -57,6 +57,17 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
     except Exception as exc:  # YAML syntax errors and the like
         raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
     assert isinstance(cfg, Config)
+    return resolve_defaults(cfg)
+
+
+def resolve_defaults(cfg: Config) -> Config:
+    """Fill in place the null keys whose value follows from others, and return `cfg`:
+    `parallel.pipeline_schedule` = interleaved when `parallel.virtual_stages` > 1, else 1f1b (Megatron
+    infers interleaving from the virtual pipeline size). `load_config` and `validate_config` call it,
+    so the config a run writes (`<run_dir>/config.yaml`) names the schedule that runs."""
+    par = cfg.parallel
+    if par.pipeline_schedule is None:
+        par.pipeline_schedule = "interleaved" if par.virtual_stages > 1 else "1f1b"
     return cfg
 
 
@@ -72,7 +83,7 @@ def save_config(cfg: Config, path: str) -> None:
 
 def parse_cli(argv: Optional[List[str]] = None, description: str = "") -> argparse.Namespace:
     """The entry points' command line: `[--check-config [--world-size N]] --config FILE section.key=value ...`
-    -> Namespace(config, overrides, check_config, world_size)."""
+    -> Namespace(config, overrides, check_config, world_size, export_family)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config file (see configs/)")
     parser.add_argument("--check-config", action="store_true",
@@ -80,8 +91,13 @@ def parse_cli(argv: Optional[List[str]] = None, description: str = "") -> argpar
     parser.add_argument("--world-size", type=int, default=None,
                         help="with --check-config: the number of processes the launch will have "
                              "(default: this process's launcher environment, 1 without one)")
+    parser.add_argument("--export-family", default=None, metavar="F",
+                        help="with --check-config: also check that export-hf can write this model as Hugging Face "
+                             "family F (mixtral, qwen2_moe, qwen3_moe, olmoe, or auto: its default); 2 = it cannot")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
     args = parser.parse_args(argv)
     if args.world_size is not None and (not args.check_config or args.world_size < 1):
         parser.error("--world-size N (N >= 1) goes with --check-config")
+    if args.export_family is not None and not args.check_config:
+        parser.error("--export-family F goes with --check-config")
     return args

@@ -48,7 +48,9 @@ class ProProphetConfig:
     bottom_k: int = 0  # Alg. 1's n: devices with the fewest rows of a selected expert that do not get it
     overlap: bool = False  # block-wise scheduler (Alg. 2): Plan during the all-to-all, Trans one block early, Eq. 8
     min_replicas: int = 0  # place at least k experts on several devices every forward, whatever Eq. 6 says (tests)
-    rows: str = "balanced"  # a replica's rows: balanced (water-filled over its devices) | local (each its own sources', §4.2)
+    # a replica's rows: local (each device computes its own sources' rows: the paper's, §IV-A Fig. 6b) |
+    # balanced (ours: water-filled over the expert's devices, levelling their loads)
+    rows: str = "local"
 
 
 @dataclass
@@ -58,7 +60,7 @@ class FlexMoEConfig:
     threshold: float = 1.1  # Alg. 1: Expand / Shrink while the balance ratio (Eq. 6) exceeds this
     trigger: str = "threshold"  # threshold: check Eq. 6 every iteration, plan when it exceeds threshold | interval
     policy: str = "straggler"  # Alg. 2's candidates: straggler (relative to the slowest GPU, general Migrate) | printed
-    amortize_steps: Optional[int] = None  # iterations a move's transfer cost is spread over; null = 100 (threshold) / interval
+    amortize_steps: Optional[int] = None  # iterations a move's transfer cost is spread over; null = 10 (threshold) / interval
     moves: str = "sync"  # sync: moves land right after the optimizer step | best_effort: in flight until the layer's next forward (§4)
 
 
@@ -67,7 +69,9 @@ class EPLBConfig:
     redundant_slots: Optional[int] = None  # slots beyond E over the EP group ((E + this) % ep == 0); null = ep (0 on one rank)
     interval: int = 10  # re-plan every N iterations
     ema: float = 0.5  # weight of the newest window's loads in the moving average (1 = newest only)
-    hierarchical: str = "auto"  # pack experts onto nodes first: auto (only with group-limited routing) | true | false
+    # pack experts onto nodes first: auto (only where group-limited routing limits a token's nodes:
+    # moe.router_group_topk < min(moe.top_k, nodes of the ep group)) | true | false
+    hierarchical: str = "auto"
 
 
 @dataclass
@@ -102,7 +106,7 @@ class MoEConfig:
     expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only
     expert_bias_rate: float = 1e-3  # bias += rate * sign(mean load - load) after every step
     router_groups: int = 1  # group-limited routing: experts in this many contiguous groups; 1 = off
-    router_group_topk: Optional[int] = None  # tokens choose their experts among this many best groups (< router_groups)
+    router_group_topk: Optional[int] = None  # tokens choose their experts among this many best groups (1..router_groups)
     shared_expert_ffn_hidden_size: Optional[int] = None  # shared experts (dense, every token): their FFN width; null = none
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output x sigmoid(x w_g), w_g [1, h]
     schedule: str = "baseline"  # registry: moe/schedules
@@ -128,8 +132,10 @@ class ParallelConfig:
     expert: int = 1  # expert parallel degree, N_EP
     expert_shard: int = 1  # expert-sharding degree, N_ESP (shards each expert's FFN dim)
     pipeline: int = 1  # pipeline stages (docs/pipeline.md)
-    pipeline_schedule: str = "1f1b"  # registry training/pipeline_schedules.py: 1f1b | interleaved (virtual stages)
-    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved 1F1B needs >= 2)
+    # registry training/pipeline_schedules.py: 1f1b | interleaved (virtual stages); null = interleaved when
+    # virtual_stages > 1, else 1f1b (as Megatron infers it from the virtual pipeline size; config/load.py)
+    pipeline_schedule: Optional[str] = None
+    virtual_stages: int = 1  # model chunks per pipeline stage (> 1: interleaved 1F1B)
     # layers per model chunk in forward order (parallel.pipeline * parallel.virtual_stages entries,
     # each >= 1, summing to model.num_layers); null = an even split
     pipeline_layers: Optional[List[int]] = None
@@ -143,12 +149,18 @@ class ParallelConfig:
 @dataclass
 class TrainingConfig:
     train_iters: int = 100
+    # the LR decays until this iteration, then stays at optimizer.min_lr (Megatron's --lr-decay-iters);
+    # null = train_iters. Set it to keep a run's schedule when a resume changes train_iters
+    lr_decay_iters: Optional[int] = None
     micro_batch_size: int = 4
     global_batch_size: int = 8
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 50  # 0 = never
     eval_iters: int = 4
+    # evaluate the checkpoint that checkpoint.load names on the valid batches training's eval reads,
+    # print the loss and perplexity, append them to <run_dir>/eval.jsonl, and exit (Megatron's --skip-train)
+    eval_only: bool = False
     run_dir: str = "runs/default"
     precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 main grads + master weights; docs/precision.md)
     on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
@@ -172,6 +184,10 @@ class OptimizerConfig:
     # ZeRO-1: AdamW state sharded over dp (dense params) / edp (expert params), gradients
     # reduce-scattered, parameters all-gathered (training/distributed_optimizer.py)
     distributed: bool = False
+    # reduce each gradient bucket over dp / edp from gradient hooks during the last micro-batch's
+    # backward, on a side channel, waited before clipping (Megatron's overlap_grad_reduce; training/grads.py)
+    overlap_grad_reduce: bool = False
+    grad_bucket_mb: float = 32.0  # gradient buckets (one all-reduce per bucket and group): at most this many MiB
 
 
 @dataclass
@@ -196,10 +212,10 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None  # root: iter_<k>/ directories + `latest` (docs/checkpoints.md)
+    dir: Optional[str] = None  # root: iter_<k>/ directories + `latest` (docs/checkpoints.md); null = <run_dir>/checkpoints
     save_interval: int = 0  # save every N iterations and after the last (0 = never)
     keep_last: int = 2  # complete checkpoints kept (0 = all)
-    load: Optional[str] = None  # null | auto (newest complete under dir) | a checkpoint path
+    load: Optional[str] = None  # null | auto (this run's newest complete under dir) | a checkpoint path
 
 
 @dataclass

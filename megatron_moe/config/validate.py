@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.load import resolve_defaults
 from megatron_moe.config.schema import Config
 from megatron_moe.config.registry import Hooks
 
@@ -28,7 +29,7 @@ SECTION_CHECKS: Hooks = Hooks("config section check", (
     "moe.proprophet", "moe.flexmoe", "moe.eplb", "perf.hardware_profile",
     "moe.topology_gate",  # after parallel.ranks_per_node
     "model.attention", "moe.router", "moe.shared_expert",  # the architecture, after the degrees divide the world
-    "parallel.pipeline_schedule", "optimizer.distributed",  # after the batch sizes
+    "parallel.pipeline_schedule", "optimizer.distributed", "optimizer.overlap_grad_reduce",  # after the batch sizes
     "checkpoint",  # last
 ))
 _SELECTION_AND_TECHNIQUES = SECTION_CHECKS.order[:SECTION_CHECKS.order.index("moe.topology_gate")]
@@ -78,7 +79,9 @@ def expert_ffn_hidden_size(cfg: Config) -> int:
 
 
 def validate_config(cfg: Config, world_size: int) -> None:
-    """Raise ConfigError for the first rule `cfg` breaks on `world_size` processes."""
+    """Raise ConfigError for the first rule `cfg` breaks on `world_size` processes (after filling the
+    derived null keys of a config not built by `load_config`: `resolve_defaults`)."""
+    resolve_defaults(cfg)
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be one of {', '.join(allowed)}")
@@ -121,7 +124,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"training.global_batch_size={tr.global_batch_size} is not divisible by "
             f"training.micro_batch_size*data_parallel={tr.micro_batch_size}*{dp}")
-    _run_checks(cfg, world_size, ("parallel.pipeline_schedule", "optimizer.distributed"))
+    _run_checks(cfg, world_size, ("parallel.pipeline_schedule", "optimizer.distributed",
+                                  "optimizer.overlap_grad_reduce"))
     if tr.train_iters < 0 or tr.eval_interval < 0 or tr.eval_iters < 0:
         raise ConfigError("training.train_iters, training.eval_interval and training.eval_iters must be >= 0")
     if tr.inject_nan_at < 0 or cfg.logging.image_interval < 0:

@@ -41,6 +41,7 @@ from megatron_moe.config.schema import Config
 
 Tensors = Dict[str, torch.Tensor]
 INDEX = "model.safetensors.index.json"
+EXPORTED = "megatron_moe export-hf"  # the index metadata's "format" in our exports (is_export)
 
 
 @dataclass
@@ -75,9 +76,11 @@ def check_shape(family: Family, cfg: Config) -> None:
             raise ValueError(f"not {family.architecture}-shaped: {what}")
 
 
-def num_experts(hf: dict) -> int:
-    """config.json's expert count: `num_experts` or `num_local_experts` (transformers maps one to the other)."""
-    return hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+def num_experts(hf: dict, key: str = "num_experts") -> int:
+    """config.json's expert count: `key` (the family's name for it) or its alias (transformers maps
+    `num_experts` and `num_local_experts` to each other); a config with neither lacks `key`."""
+    alias = "num_local_experts" if key == "num_experts" else "num_experts"
+    return hf[alias] if key not in hf and alias in hf else hf[key]
 
 
 def norm_topk(cfg: Config) -> bool:
@@ -158,16 +161,15 @@ def _attention_to_hf(cfg: Config, ours: Tensors, src: str, dst: str) -> Iterator
     yield dst + "self_attn.o_proj.weight", ours[src + "attention.proj.weight"]
 
 
-def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], has: Callable[[str], bool], src: str,
-                       dst: str) -> Tensors:
+def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], src: str, dst: str) -> Tensors:
+    """The config decides what is read (q/k/v biases iff `model.qkv_bias`): a bias the config lacks
+    is left unused (HFReader.unused), one it needs and the checkpoint lacks is named."""
     from megatron_moe.model.attention import head_dim, query_groups
 
     m = cfg.model
     heads, groups, d = m.num_attention_heads, query_groups(m), head_dim(m)
     per, out = heads // groups, {}
-    for kind in ("weight", "bias"):
-        if not has(src + f"self_attn.q_proj.{kind}"):
-            continue
+    for kind in ("weight", "bias") if m.qkv_bias else ("weight",):
         q = hf(src + f"self_attn.q_proj.{kind}").reshape(groups, per, d, -1)
         k, v = (hf(src + f"self_attn.{p}_proj.{kind}").reshape(groups, 1, d, -1) for p in "kv")
         fused = torch.cat([q, k, v], dim=1)  # [G, per + 2, d, h | 1]
@@ -212,13 +214,12 @@ def layer_to_hf(family: Family, cfg: Config, ours: Tensors, i: int) -> Iterator[
         yield dst + "mlp.shared_expert_gate.weight", ours[src + "ffn.shared_expert.gate"]
 
 
-def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor], has: Callable[[str], bool],
-                  i: int, is_moe: bool) -> Tensors:
-    """Our full weights of layer i from HF tensors (`hf(name)` reads one)."""
+def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor], i: int, is_moe: bool) -> Tensors:
+    """Our full weights of layer i from HF tensors (`hf(name)` reads one); the config decides which."""
     src, dst = f"model.layers.{i}.", f"layers.{i}."
     out = {dst + "attention_norm.weight": hf(src + "input_layernorm.weight"),
            dst + "ffn_norm.weight": hf(src + "post_attention_layernorm.weight")}
-    out.update(_attention_from_hf(cfg, hf, has, src, dst))
+    out.update(_attention_from_hf(cfg, hf, src, dst))
     if not is_moe:
         out[dst + "ffn.fc1.weight"] = torch.stack([hf(src + "mlp.gate_proj.weight"), hf(src + "mlp.up_proj.weight")])
         out[dst + "ffn.fc2.weight"] = hf(src + "mlp.down_proj.weight")
@@ -307,38 +308,87 @@ class ShardWriter:
             os.replace(os.path.join(self.path, tmp), os.path.join(self.path, final))
             self.weight_map.update({t: final for t in names})
         with open(os.path.join(self.path, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))},
-                      f, indent=2)
+            json.dump({"metadata": {"total_size": self.total, "format": EXPORTED},
+                       "weight_map": dict(sorted(self.weight_map.items()))}, f, indent=2)
         with open(os.path.join(self.path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
 
 
-class HFReader:
-    """Lazy reader of a HF model directory: config.json and tensors by name (safetensors only)."""
+def is_export(path: str) -> bool:
+    """Whether directory `path` holds one export of ours and nothing else: our index, config.json
+    and the shards the index lists (export-hf replaces such a directory without --force)."""
+    try:
+        with open(os.path.join(path, INDEX)) as f:
+            index = json.load(f)
+        return index["metadata"]["format"] == EXPORTED and \
+            set(os.listdir(path)) <= {INDEX, "config.json", *index["weight_map"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+class ConfigJson(dict):
+    """config.json's keys; a missing one the conversion needs is a ValueError naming the file and key."""
 
     def __init__(self, path: str):
-        import glob
+        try:
+            with open(path) as f:
+                super().__init__(json.load(f))
+        except (ValueError, TypeError) as exc:  # JSONDecodeError, or not an object
+            raise ValueError(f"{path} is not a JSON object ({exc})") from None
+        self.path = path
 
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"{path} has no config.json")
-        with open(config_path) as f:
-            self.config = json.load(f)
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise ValueError(f"{path} has no *.safetensors files (pickled .bin weights are not read)")
+    def __missing__(self, key):
+        needs = f", which a {self['model_type']} config needs" if "model_type" in self else ""
+        raise ValueError(f"{self.path} has no {key!r}{needs}")
+
+
+class HFReader:
+    """Lazy reader of a HF model directory: config.json, and tensors by name from the shards that
+    `model.safetensors.index.json`'s weight_map lists (only those: a stale shard beside them is not
+    read), or from `model.safetensors` without an index, as `from_pretrained` reads them. `unused()`:
+    the tensors no `get` asked for."""
+
+    def __init__(self, path: str):
         from safetensors import safe_open
 
-        self.handles, self.where = [], {}
-        for file in files:
-            handle = safe_open(file, framework="pt")
-            self.handles.append(handle)
-            self.where.update({name: handle for name in handle.keys()})
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path} has no config.json")
+        self.path, self.config, self.used = path, ConfigJson(os.path.join(path, "config.json")), set()
+        if os.path.isfile(os.path.join(path, INDEX)):
+            self.weight_map = ConfigJson(os.path.join(path, INDEX))["weight_map"]
+            if not isinstance(self.weight_map, dict):
+                raise ValueError(f"{os.path.join(path, INDEX)}: weight_map is not an object")
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            self.weight_map = None
+        else:
+            raise ValueError(f"{path} has neither {INDEX} nor model.safetensors (pickled .bin weights are not read)")
+        self.handles, names = {}, {}
+        for file in sorted(set(self.weight_map.values())) if self.weight_map is not None else ["model.safetensors"]:
+            try:
+                self.handles[file] = safe_open(os.path.join(path, file), framework="pt")
+            except Exception as exc:  # SafetensorError (truncated, bad header), a missing file
+                raise ValueError(f"{os.path.join(path, file)} is not a readable safetensors file: {exc}") from None
+            names[file] = set(self.handles[file].keys())
+        if self.weight_map is None:
+            self.weight_map = dict.fromkeys(names["model.safetensors"], "model.safetensors")
+        for name, file in self.weight_map.items():
+            if name not in names[file]:
+                raise ValueError(f"{os.path.join(path, file)} has no tensor {name}, which {INDEX} maps to it")
 
     def has(self, name: str) -> bool:
-        return name in self.where
+        return name in self.weight_map
 
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise ValueError(f"the checkpoint has no tensor {name}")
-        return self.where[name].get_tensor(name)
+    def get(self, name: str, use: bool = True) -> torch.Tensor:
+        """Tensor `name` (marked used unless `use` is false)."""
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path} has no tensor {name}")
+        try:
+            tensor = self.handles[self.weight_map[name]].get_tensor(name)
+        except Exception as exc:  # SafetensorError: data past the end of a damaged file
+            raise ValueError(f"{os.path.join(self.path, self.weight_map[name])}: cannot read {name}: {exc}") from None
+        if use:
+            self.used.add(name)
+        return tensor
+
+    def unused(self) -> List[str]:
+        return sorted(set(self.weight_map) - self.used)

@@ -30,7 +30,7 @@ def _hf_config(cfg: Config) -> dict:
 
 def _overrides(hf: dict) -> list:
     return base_overrides(hf) + [
-        f"model.ffn_hidden_size={hf['intermediate_size']}", f"moe.num_experts={num_experts(hf)}",
+        f"model.ffn_hidden_size={hf['intermediate_size']}", f"moe.num_experts={num_experts(hf, 'num_local_experts')}",
         f"moe.expert_ffn_hidden_size={hf['intermediate_size']}", "moe.layer_freq=1", "moe.norm_topk_prob=true"]
 
 

@@ -13,6 +13,11 @@
   takes dense Llama, Mistral and Qwen3 (`convert/hf_dense.py`), as they are or upcycled;
 * `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
 
+Outputs are never written in place: each conversion writes a fresh directory beside `--output` and
+swaps it in when complete (`_replace_output`), so no file of an older output (an earlier
+checkpoint, a stale shard) survives, and a failed conversion leaves the old output untouched. A
+non-empty output is refused unless `force` (export_hf: unless it holds an earlier export of ours).
+
 Conversions work on full global tensors, so they need host memory for the whole checkpoint
 (`export_hf`: one layer's plus one output shard's).
 Parameter identities (global shape, sharding) come from building the single-process model.
@@ -24,7 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Optional, Tuple
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -58,8 +68,60 @@ def _param_of(key: str) -> str:
     return key[len("model/"):] if key.startswith("model/") else key[len("optim/"):].rsplit("/", 1)[0]
 
 
-def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.Tensor]) -> str:
-    """Weights (param name -> full tensor) as a checkpoint at iteration 0 without optimizer state."""
+# -- outputs --------------------------------------------------------------------------------------
+def check_output(out: str, force: bool, inputs: Tuple[str, ...] = (),
+                 replaceable: Optional[Callable[[str], bool]] = None) -> None:
+    """Refuse (one line) an output that overlaps an input, or that is not empty, unless `force` or
+    `replaceable(out)` (an earlier output of the same kind, which is replaced)."""
+    real = os.path.realpath(out)
+    for source in inputs:
+        src = os.path.realpath(source)
+        if real == src or os.path.commonpath([real, src]) in (real, src):
+            raise ValueError(f"--output {out} overlaps --input {source}: choose another output")
+    if not os.path.lexists(out) or force or (os.path.isdir(out) and not os.listdir(out)):
+        return
+    if os.path.isdir(out) and replaceable is not None and replaceable(out):
+        return
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    kind = "a checkpoint" if any(n.startswith("iter_") or n == "latest" for n in held) or \
+        os.path.isfile(os.path.join(out, "meta.json")) else "files" if held else "a file"
+    what = f" ({', '.join(held[:3])}{f' and {len(held) - 3} more' if len(held) > 3 else ''})" if held else ""
+    raise ValueError(f"--output {out} already holds {kind}{what}; pass --force to replace it")
+
+
+@contextmanager
+def _replace_output(out: str) -> Iterator[str]:
+    """A fresh directory beside `out` to write into; when the block completes it takes `out`'s
+    place (two renames; the old output is then deleted), when it raises it is deleted."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = tmp + "-old"
+    if os.path.lexists(out):
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if os.path.lexists(old):
+        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+
+
+def _write_root(out_root: str, force: bool, write: Callable[[str], str]) -> str:
+    """`write(root)` (a checkpoint writer returning its iter_* directory) into a fresh root that
+    replaces `out_root`; the iter_* directory's final path."""
+    check_output(out_root, force)
+    with _replace_output(out_root) as tmp:
+        written = os.path.relpath(write(tmp), tmp)
+    return os.path.join(out_root, written)
+
+
+def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.Tensor], force: bool = False) -> str:
+    """Weights (param name -> full tensor) as a checkpoint at iteration 0 without optimizer state,
+    replacing `out_root` (a non-empty one only with `force`)."""
     model = build_single_process_model(cfg)
     expected = {name: p for name, p in model.named_parameters()}
     if set(weights) != set(expected):
@@ -74,18 +136,19 @@ def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.
         entries[f"model/{name}"] = full_entry(tensor.to(torch.float32).contiguous())
     meta = {"iteration": 0, "consumed_samples": 0, "layout": layout_dict(ParallelState.single_process()),
             "has_optimizer": False, "trainer": {}}
-    return write_checkpoint_dir(out_root, 0, entries, meta, to_yaml(cfg), None)
+    return _write_root(out_root, force, lambda root: write_checkpoint_dir(root, 0, entries, meta, to_yaml(cfg), None))
 
 
 # -- reshard / consolidate ------------------------------------------------------------------------
-def reshard(path: str, out_root: str, tensor: int, expert: int, expert_shard: int) -> str:
+def reshard(path: str, out_root: str, tensor: int, expert: int, expert_shard: int, force: bool = False) -> str:
     """Rewrite checkpoint `path` with the chunks of layout (tensor, expert, expert_shard)."""
+    check_output(out_root, force, (path,))
     path, meta, tensors = read_checkpoint(path)
-    return _write_layout(path, out_root, meta, tensors, tensor, expert, expert_shard)
+    return _write_layout(path, out_root, meta, tensors, tensor, expert, expert_shard, force)
 
 
 def _write_layout(path: str, out_root: str, meta: dict, tensors: Dict[str, torch.Tensor], tensor: int, expert: int,
-                  expert_shard: int) -> str:
+                  expert_shard: int, force: bool = False) -> str:
     """Full global tensors of checkpoint `path` -> a checkpoint under `out_root` whose chunks are
     those of layout (tensor, expert, expert_shard)."""
     world = math.lcm(tensor, expert * expert_shard)
@@ -114,7 +177,8 @@ def _write_layout(path: str, out_root: str, meta: dict, tensors: Dict[str, torch
     new_meta = dict(meta, layout=layout_dict(states[0]))
     new_meta.pop("balancers", None)  # vExpert slots of the old layout: the new one starts from the owners'
 
-    return write_checkpoint_dir(out_root, meta["iteration"], entries, new_meta, to_yaml(cfg), None)
+    return _write_root(out_root, force, lambda root: write_checkpoint_dir(root, meta["iteration"], entries, new_meta,
+                                                                          to_yaml(cfg), None))
 
 
 # -- SwiGLU layout upgrade -------------------------------------------------------------------------
@@ -129,10 +193,11 @@ def halves_from_interleaved(old: torch.Tensor, new_shape) -> Optional[torch.Tens
     return old.unflatten(k, (new_shape[k + 1], 2)).transpose(k, k + 1).contiguous()
 
 
-def upgrade_swiglu(path: str, out_root: str) -> str:
+def upgrade_swiglu(path: str, out_root: str, force: bool = False) -> str:
     """Rewrite a checkpoint whose SwiGLU weights (dense fc1, experts' w1 / b1, and their AdamW
     moments) are in the old interleaved layout into the (gate, up) halves layout, keeping its
     iteration, optimizer state and parallel layout."""
+    check_output(out_root, force, (path,))
     path, meta, tensors = read_checkpoint(path)
     metas = {name: p.meta for name, p in build_single_process_model(single_process_config(path)).named_parameters()}
     converted = 0
@@ -144,7 +209,8 @@ def upgrade_swiglu(path: str, out_root: str) -> str:
     if not converted:
         raise ValueError(f"{path} has no SwiGLU tensor in the interleaved layout: nothing to upgrade")
     layout = meta["layout"]
-    return _write_layout(path, out_root, meta, tensors, layout["tensor"], layout["expert"], layout["expert_shard"])
+    return _write_layout(path, out_root, meta, tensors, layout["tensor"], layout["expert"], layout["expert_shard"],
+                         force)
 
 
 def consolidate(path: str, out_file: str) -> None:
@@ -164,9 +230,10 @@ _UPCYCLE = {"fc1.weight": ("w1", lambda t: t.movedim(-1, 0)), "fc1.bias": ("b1",
             "fc2.weight": ("w2", torch.t), "fc2.bias": ("b2", lambda t: t)}
 
 
-def upcycle(path: str, num_experts: int, out_root: str, top_k: Optional[int] = None) -> str:
+def upcycle(path: str, num_experts: int, out_root: str, top_k: Optional[int] = None, force: bool = False) -> str:
     """Dense checkpoint -> MoE checkpoint with `num_experts` copies of each layer's FFN (every layer
     MoE), `top_k` experts per token (default: the checkpoint's `moe.top_k`)."""
+    check_output(out_root, force, (path,))
     path, dense = model_weights(path)
     cfg = checkpoint_config(path, SINGLE)
     moe_layers = [i for i in range(cfg.model.num_layers) if f"layers.{i}.ffn.router.weight" in dense]
@@ -174,7 +241,7 @@ def upcycle(path: str, num_experts: int, out_root: str, top_k: Optional[int] = N
         raise ValueError(f"upcycle needs a dense checkpoint (moe.layer_freq > model.num_layers); "
                          f"layer {moe_layers[0]} is already MoE")
     target = checkpoint_config(path, SINGLE + upcycle_overrides(cfg, num_experts, top_k))
-    return write_model_checkpoint(out_root, target, upcycle_weights(dense, target))
+    return write_model_checkpoint(out_root, target, upcycle_weights(dense, target), force)
 
 
 def upcycle_overrides(dense: Config, num_experts: int, top_k: Optional[int] = None) -> List[str]:
@@ -217,16 +284,18 @@ def guess_family(cfg: Config) -> str:
 
 
 def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_bytes: int = 5 << 30,
-              precision: Optional[str] = None) -> None:
+              precision: Optional[str] = None, force: bool = False) -> None:
     """Checkpoint (any layout) -> HF directory of `family` (default: `guess_family`), streamed one
     layer's global tensors at a time into safetensors shards + index (convert/hf_common.py), with
     weights in `precision` (fp32 | bf16; default: the run's `training.precision`). Checkpoints hold
     fp32 weights (a bf16 run's masters), so either dtype is exported from the fp32 values, rounded
-    once for bf16."""
+    once for bf16. Written into a fresh directory that replaces `out_dir`: an empty one, an earlier
+    export of ours (`hf_common.is_export`), or with `force` anything."""
     from megatron_moe.convert import hf_common as H
     from megatron_moe.convert.hf_families import family_of
     from megatron_moe.model.precision import PARAM_DTYPES
 
+    check_output(out_dir, force, (path,), H.is_export)
     path = resolve_checkpoint(path)
     cfg = checkpoint_config(path, SINGLE)
     fam = family_of(family or guess_family(cfg))
@@ -239,33 +308,49 @@ def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_b
     def load(keep) -> Dict[str, torch.Tensor]:
         return {k[len("model/"):]: v for k, v in load_full(path, [k for k in keys if keep(k)]).items()}
 
-    H.write_hf(out_dir, fam, cfg, load(lambda k: not k.startswith("model/layers.")),
-               lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes, PARAM_DTYPES[precision])
+    with _replace_output(out_dir) as tmp:
+        H.write_hf(tmp, fam, cfg, load(lambda k: not k.startswith("model/layers.")),
+                   lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes,
+                   PARAM_DTYPES[precision])
 
 
 def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = (),
-              num_experts: Optional[int] = None, top_k: Optional[int] = None) -> str:
+              num_experts: Optional[int] = None, top_k: Optional[int] = None, force: bool = False,
+              allow_unused: bool = False) -> str:
     """HF directory (family from its config.json) -> our checkpoint; training settings from
     `base_config` (+ overrides). A dense family (hf_dense.py) gives our dense model, or, with
     `num_experts`, that model upcycled (`upcycle_weights`, `top_k` experts per token) into the
-    shape of the MoE family it names."""
+    shape of the MoE family it names. A tensor the model does not use (the config decides what is
+    read) is refused by name, or with `allow_unused` listed on stderr and skipped; a key of
+    config.json or a tensor that is missing is named as HF names it."""
     from megatron_moe.convert import hf_common as H
     from megatron_moe.convert.hf_dense import DenseFamily
     from megatron_moe.convert.hf_families import family_of, import_family_of
     from megatron_moe.model.transformer import is_moe_layer
 
+    check_output(out_root, force, (hf_dir,))
     reader = H.HFReader(hf_dir)
-    fam = import_family_of(reader.config.get("model_type"))
+    fam = import_family_of(reader.config["model_type"])
     if num_experts is not None and not isinstance(fam, DenseFamily):
         raise ValueError(f"--num-experts upcycles a dense model; {fam.architecture} is already MoE")
     cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides))
     H.check_shape(fam, cfg)
     weights = H.outer_from_hf(cfg, reader.get)
+    if cfg.model.tie_embeddings and reader.has("lm_head.weight") and \
+            torch.equal(reader.get("lm_head.weight", use=False), weights["embedding.word.weight"]):
+        reader.used.add("lm_head.weight")  # a stored copy of the tied embedding
     for i in range(cfg.model.num_layers):
-        weights.update(H.layer_from_hf(fam, cfg, reader.get, reader.has, i, is_moe_layer(i, cfg.moe.layer_freq)))
+        weights.update(H.layer_from_hf(fam, cfg, reader.get, i, is_moe_layer(i, cfg.moe.layer_freq)))
+    unused = reader.unused()
+    what = f"{len(unused)} tensor{'s' if len(unused) > 1 else ''} the model does not use"
+    if unused and not allow_unused:
+        more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
+        raise ValueError(f"{hf_dir} has {what}: {', '.join(unused[:4])}{more}; pass --allow-unused to skip them")
+    if unused:
+        print(f"warning: skipping {what}: {', '.join(unused)}", file=sys.stderr)
     if num_experts is not None:
         cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides)
                           + upcycle_overrides(cfg, num_experts, top_k))
         H.check_shape(family_of(fam.upcycles_to), cfg)
         weights = upcycle_weights(weights, cfg)
-    return write_model_checkpoint(out_root, cfg, weights)
+    return write_model_checkpoint(out_root, cfg, weights, force)

@@ -25,6 +25,7 @@ from megatron_moe.data.tokenizers import TokenizerSpec
 from megatron_moe.perf import timing
 
 HF_FORMATS = {".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".arrow": "arrow"}
+DOCUMENT_FORMATS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow")  # documents under json keys
 
 
 class InputError(ValueError):
@@ -152,6 +153,34 @@ def _starts_with_bracket(path: str) -> bool:
 
 # ---------------------------------------------------------------- encoding
 
+def document_text(doc: dict, key: str, where: int) -> str:
+    """The string under `key` of one input document (InputError if it has none)."""
+    if key not in doc:
+        raise InputError(where, f"no key {key!r} (keys: {sorted(doc)})")
+    text = doc[key]
+    if not isinstance(text, str):
+        raise InputError(where, f"key {key!r} holds {type(text).__name__}, expected a string")
+    return text
+
+
+def read_texts(input_path: str, json_keys: Sequence[str], scratch_dir: str) -> Iterator[str]:
+    """The strings under `json_keys` of every document of `input_path`, in input order, read as
+    `preprocess` reads them (`tools/train_tokenizer.py` learns from these). Bad input: ValueError,
+    one line `file:line: problem`."""
+    source = open_source(input_path, scratch_dir)
+    try:
+        for where, doc, _ in source.shard(0, 1):
+            for key in json_keys:
+                yield document_text(doc, key, where)
+    except InputError as e:
+        raise ValueError(f"{source.describe(e.where)}: {e.problem}") from None
+
+
+def is_document_file(path: str) -> bool:
+    """Does `path` hold documents under keys (jsonl, json, parquet, csv, arrow), not plain text?"""
+    return os.path.splitext(path)[1].lower() in DOCUMENT_FORMATS
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
     json_keys: Tuple[str, ...]
@@ -166,11 +195,7 @@ def encode_document(doc: dict, opts: EncodeOptions, tokenizer, where: int) -> Di
     eod appended to the last one (Megatron-LM's Encoder.encode)."""
     out = {}
     for key in opts.json_keys:
-        if key not in doc:
-            raise InputError(where, f"no key {key!r} (keys: {sorted(doc)})")
-        text = doc[key]
-        if not isinstance(text, str):
-            raise InputError(where, f"key {key!r} holds {type(text).__name__}, expected a string")
+        text = document_text(doc, key, where)
         pieces = split_sentences(text, opts.keep_newlines) if opts.split_sentences else [text]
         ids: List[int] = []
         lengths: List[int] = []

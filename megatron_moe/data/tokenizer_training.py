@@ -3,10 +3,28 @@ SentencePiece model. Used by `tools/train_tokenizer.py` and the embedded demo co
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 # Trained into the vocabulary so every tokenizer type finds them without appending ids.
 BPE_SPECIAL_TOKENS = ("<|endoftext|>", "[CLS]", "[SEP]", "[MASK]", "[PAD]")
+
+
+def text_files(inputs: Sequence[str], json_keys: Sequence[str], scratch_dir: str) -> List[str]:
+    """The files a tokenizer learns from: plain text files as they are; a file of documents (jsonl,
+    json, parquet, csv, arrow) as the text under its `json_keys`, read as `tools/preprocess_data.py`
+    reads it (never its JSON syntax), written to `scratch_dir`. Bad input: ValueError, one line."""
+    from megatron_moe.data.preprocess import is_document_file, read_texts
+
+    out = []
+    for i, path in enumerate(inputs):
+        if not is_document_file(path):
+            out.append(path)
+            continue
+        out.append(os.path.join(scratch_dir, f"input{i:03d}.txt"))
+        with open(out[-1], "w", encoding="utf-8") as f:
+            for text in read_texts(path, json_keys, scratch_dir):
+                f.write(text if text.endswith("\n") else text + "\n")
+    return out
 
 
 def train_bpe(out_dir: str, vocab_size: int, files: Optional[Sequence[str]] = None,

@@ -54,17 +54,27 @@ class Tokenizer:
 
     def _add_specials(self) -> None:
         self.special_ids: Dict[str, int] = {}
+        self.special_texts: Dict[str, str] = {}  # role -> the token's text
         appended: Dict[str, int] = {}  # token text -> id after the base vocabulary
         for role in self.special_order:
-            found = next((i for i in map(self._lookup, self.specials[role]) if i is not None), None)
+            text, found = next(((t, i) for t in self.specials[role] if (i := self._lookup(t)) is not None),
+                               (self.specials[role][0], None))
             if found is None:
-                found = appended.setdefault(self.specials[role][0], self.base_vocab_size + len(appended))
-            self.special_ids[role] = found
+                found = appended.setdefault(text, self.base_vocab_size + len(appended))
+            self.special_ids[role], self.special_texts[role] = found, text
         self._added = {i: text for text, i in appended.items()}
 
     @property
     def vocab_size(self) -> int:
         return self.base_vocab_size + len(self._added)
+
+    def describe(self) -> str:
+        """`4005 tokens: 4000 in the vocabulary + 5 appended (cls <CLS>=4000 ...)` (docs/data.md)."""
+        specials = " ".join(f"{r} {self.special_texts[r]}={self.special_ids[r]}" for r in self.special_order)
+        if not self._added:
+            return f"{self.vocab_size} tokens, the specials in the vocabulary ({specials})"
+        return (f"{self.vocab_size} tokens: {self.base_vocab_size} in the vocabulary + {len(self._added)} appended "
+                f"specials ({specials})")
 
     cls = property(lambda self: self.special_ids["cls"])
     sep = property(lambda self: self.special_ids["sep"])
@@ -249,6 +259,15 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     """The tokenizer registered as `tokenizer_type` (Megatron-LM's names), built from local files."""
     return TOKENIZERS.get(tokenizer_type)(vocab_file=vocab_file, merge_file=merge_file,
                                           tokenizer_model=tokenizer_model)
+
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+
+
+def recommended_vocab_size(size: int) -> int:
+    """The `model.vocab_size` docs/data.md recommends for a tokenizer of `size` tokens: `size` rounded
+    up to a multiple of 128, as Megatron-LM pads its vocabulary."""
+    return -(-size // MAKE_VOCAB_SIZE_DIVISIBLE_BY) * MAKE_VOCAB_SIZE_DIVISIBLE_BY
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The only module that calls torch.distributed (DESIGN.md §6). Counts bytes and time per op kind.
 
 Every op takes a `Group` from `ParallelState` and is a no-op (no bytes counted) on a group of
-size 1. Byte counts use Parm's notation for a collective's message size x (Parm §IV, Eq. 1):
+size 1; it raises if a tensor is not on the group's device (`Group.check_device`: NCCL has no CPU
+backend; tensors built on the host go through `Group.to_device` first). Byte counts use Parm's
+notation for a collective's message size x (Parm §IV, Eq. 1):
 
     all_reduce      x = bytes of the tensor
     all_gather      x = bytes of the gathered output (all ranks' pieces)
@@ -32,8 +34,11 @@ runs `fn` while the all-to-all is in flight (Pro-Prophet's `Plan`, Alg. 2 line 6
 
 Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
 `COMM_STATS.snapshot()` returns the bytes, `COMM_STATS.seconds_by_kind()` the times,
-`COMM_STATS.reset()` clears them. Differentiable wrappers (`all_to_all_v_autograd`, ...) count
-their backward communication too.
+`COMM_STATS.reset()` clears them; a side channel passed as a group of its own
+(`Group.side_channel()`: Trans / Agg, moe/replicas.py) counts as ``"<group>_side"``. Differentiable
+wrappers (`all_to_all_v_autograd`, ...) count their backward communication too. Inside
+`COMM_STATS.tagging(tag)` the bytes also go to `COMM_STATS.tagged` under
+``"<kind>/<group name>#<tag>"`` (a part of one kind, e.g. Pro-Prophet's SubAgg1 / SubAgg2 of "agg").
 """
 from __future__ import annotations
 
@@ -50,6 +55,11 @@ from megatron_moe.distributed.comm_stats import (COMM_STATS, CommStats, TimeSink
                                                  resolved)  # (C.COMM_STATS, C.TimeSink, ...: collectives' names)
 from megatron_moe.distributed.group import Group
 from megatron_moe.perf import timing
+from megatron_moe.perf.host_sync import to_host
+
+# the tensor forms of reduce-scatter / all-gather (torch 2.13 renames them `*_single`)
+_REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -58,7 +68,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @contextmanager
 def _timed(kind: str, group: Group, nbytes: int, inter_node: int = 0, device=None):
-    """A synchronous op on tensors of `device` (None: host-blocking, e.g. object collectives)."""
+    """A synchronous op on tensors of `device` (None: host-blocking, e.g. object collectives; else
+    checked against the group's device: `Group.check_device`)."""
+    if device is not None:
+        group.check_device(device)
     with timing.span(device) as span:
         yield
     COMM_STATS.record(kind, group, nbytes, span.duration, inter_node)
@@ -122,16 +135,17 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", kind: str = "all_
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "all_gather",
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from every rank of `group` along `dim` (rank order).
-    `kind` lets a caller label the traffic (e.g. routing metadata apart from hidden states).
-    `out`: receive straight into it (its `group.size` chunks along `dim` must be contiguous; no copy)."""
+    """Concatenate equal-shaped tensors from every rank of `group` along `dim` (rank order), with
+    the tensor form (`all_gather_into_tensor`: NCCL's list form copies every piece out of a scratch
+    buffer). `kind` lets a caller label the traffic (e.g. routing metadata apart from hidden states).
+    `out` (dim 0, contiguous): receive straight into it; `t` may be this rank's piece of it (in place)."""
     if group.size == 1:
         return t
     t = t.contiguous()
-    pieces = list(out.chunk(group.size, dim)) if out is not None else [torch.empty_like(t) for _ in range(group.size)]
+    buf = out if out is not None else t.new_empty((group.size * t.shape[0],) + tuple(t.shape[1:]))
     with _timed(kind, group, _nbytes(t) * group.size, device=t.device):
-        dist.all_gather(pieces, t, group=group.handle)
-    return out if out is not None else torch.cat(pieces, dim=dim)
+        _ALL_GATHER_INTO(buf, t, group=group.handle)
+    return buf if out is not None or dim == 0 else torch.cat(buf.chunk(group.size), dim=dim)
 
 
 def all_gather_object(obj, group: Group, kind: str = "all_gather_object") -> list:
@@ -154,9 +168,10 @@ def broadcast_object(obj, src_index: int, group: Group, kind: str = "broadcast_o
     return box[0]
 
 
-def _backend_device(group: Group) -> torch.device:
-    """Where a tensor created here must live for `group`'s backend (NCCL: the current GPU)."""
-    if dist.get_backend(group.handle) == "nccl":
+def backend_device(handle) -> torch.device:
+    """Where the tensors of collectives on process group `handle` must live (`Group.device`):
+    NCCL the current GPU, gloo the CPU."""
+    if dist.get_backend(handle) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -165,8 +180,8 @@ def all_gather_sizes(n: int, group: Group, kind: str = "all_gather") -> List[int
     """Every rank's integer `n` (e.g. a token count), in rank order. Counted as `kind` bytes."""
     if group.size == 1:
         return [n]
-    sizes = torch.tensor([n], dtype=torch.int64, device=_backend_device(group))
-    return all_gather(sizes, group, kind=kind).tolist()
+    sizes = torch.tensor([n], dtype=torch.int64, device=group.device or backend_device(group.handle))
+    return to_host(all_gather(sizes, group, kind=kind), "sizes").tolist()  # a host sync (perf/host_sync.py)
 
 
 def _gather_buffers(t: torch.Tensor, group: Group, sizes: List[int]):
@@ -231,6 +246,7 @@ def _issue(kind: str, group: Group, nbytes: int, start_ops: Callable[[], Sequenc
            sink: Optional[TimeSink] = None) -> Pending:
     """Count `nbytes`, start the async ops on tensors of `device` and return their handle
     (holding `keep` until done)."""
+    group.check_device(device)
     COMM_STATS.record_bytes(kind, group, nbytes, inter_node)
     clock = timing.AsyncTiming(device)
     works = start_ops()
@@ -249,23 +265,27 @@ def all_gather_v_async(t: torch.Tensor, group: Group, sizes: List[int], kind: st
                   lambda: torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0), keep=buf)
 
 
-def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, kind: str = "reduce_scatter",
-                   overwrite: bool = False) -> torch.Tensor:
-    """Sum over ranks, then keep this rank's equal slice along `dim`. `kind` labels the traffic.
-    `overwrite`: `t` may be clobbered (gloo then reduces in it instead of in a copy)."""
+def reduce_scatter(t: torch.Tensor, group: Group, kind: str = "reduce_scatter") -> torch.Tensor:
+    """Sum over ranks, then keep this rank's equal slice along dim 0, with the tensor form
+    (`reduce_scatter_tensor`; NCCL's list form copies every chunk into one buffer). `kind`: the traffic's label."""
     if group.size == 1:
         return t
-    chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
-    out = torch.empty_like(chunks[group.rank])
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] // group.size,) + tuple(t.shape[1:]))
     with _timed(kind, group, _nbytes(t), device=t.device):
-        if dist.get_backend(group.handle) == "gloo":
-            # gloo has no reduce_scatter: all_reduce, then slice (same result, same counted payload)
-            full = t if overwrite and t.is_contiguous() else t.contiguous().clone()
-            dist.all_reduce(full, group=group.handle)
-            out = full.chunk(group.size, dim=dim)[group.rank].contiguous()
-        else:
-            dist.reduce_scatter(out, chunks, group=group.handle)
+        _REDUCE_SCATTER_TENSOR(out, t, group=group.handle)
     return out
+
+
+def all_reduce_async(t: torch.Tensor, group: Group, kind: str = "all_reduce", sink: Optional[TimeSink] = None,
+                     side: bool = False) -> Pending:
+    """Start an in-place sum of `t` over `group`; `wait()` returns `t`. `side`: on the group's side
+    channel where it has one (overlapped gradient buckets, training/grads.py)."""
+    if group.size == 1:
+        return Pending.completed(lambda: t)
+    handle = group.side_handle if side and group.side_handle is not None else group.handle
+    return _issue(kind, group, _nbytes(t), lambda: [dist.all_reduce(t, group=handle, async_op=True)], t.device,
+                  lambda: t, keep=t, sink=sink)
 
 
 def all_to_all_v(t: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,
@@ -350,6 +370,8 @@ def p2p_exchange(sends: Sequence[Tuple], recvs: Sequence[Tuple], group: Group, k
     group's side channel (`Group.side_handle`) where it has one, so that the messages can stay in
     flight while collectives run on the group."""
     handle = group.side_handle if side and group.side_handle is not None else group.handle
+    for item in (*sends, *recvs):
+        group.check_device(item[1].device)
 
     def op(fn, item):
         i, t = item[0], item[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_moe.distributed.group import Group
 from megatron_moe.perf.timing import Duration
@@ -27,6 +27,10 @@ class CommStats:
         self.phase = "forward"  # "backward" while the trainer runs backward (set by it)
         # (phase, kind): [exposed, total]
         self.by_phase: Dict[Tuple[str, str], List[Duration]] = defaultdict(lambda: [Duration(), Duration()])
+        # bytes of the ops issued inside `tagging(tag)`, also under "<kind>/<group>#<tag>" (a part of
+        # one kind: Pro-Prophet's SubAgg1 / SubAgg2); `bytes` counts them under their kind as always
+        self.tagged: Dict[str, int] = defaultdict(int)
+        self.tag: Optional[str] = None
 
     def record(self, kind: str, group: Group, nbytes: int, seconds: Duration, inter_node: int = 0) -> None:
         """A synchronous op: `seconds` is both its total and its exposed time."""
@@ -37,6 +41,8 @@ class CommStats:
         key = f"{kind}/{group.name}"
         self.bytes[key] += int(nbytes)
         self.calls[key] += 1
+        if self.tag is not None:
+            self.tagged[f"{key}#{self.tag}"] += int(nbytes)
         if inter_node:
             self.inter_node[key] += int(inter_node)
 
@@ -53,8 +59,17 @@ class CommStats:
 
     def reset(self) -> None:
         for counter in (self.bytes, self.inter_node, self.received, self.seconds, self.exposed, self.calls,
-                        self.by_phase):
+                        self.by_phase, self.tagged):
             counter.clear()
+
+    @contextmanager
+    def tagging(self, tag: str):
+        """Count the bytes of the ops issued inside under `tag` too (`tagged`)."""
+        previous, self.tag = self.tag, tag
+        try:
+            yield
+        finally:
+            self.tag = previous
 
     def snapshot(self) -> Dict[str, int]:
         return dict(self.bytes)

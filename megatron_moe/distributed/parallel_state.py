@@ -44,13 +44,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from megatron_moe.config.registry import Hooks
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.group import Group
 
 GROUP_NAMES = ("tp", "dp", "pp", "ep", "ep_node", "esp", "ep_esp", "edp", "embedding", "world")
-# cfg -> group names that need a side channel (`Group.side_handle`): FlexMoE's best-effort moves
-SIDE_CHANNELS: Hooks = Hooks("process-group side channels", ("flexmoe",))
+# cfg -> group names that need a side channel (`Group.side_handle`): FlexMoE's best-effort moves,
+# FasterMoE's and Pro-Prophet's Trans / Agg (moe/replicas.py), the gradient buckets reduced during
+# backward (`optimizer.overlap_grad_reduce`, training/grads.py)
+SIDE_CHANNELS: Hooks = Hooks("process-group side channels", ("flexmoe", "fastermoe", "proprophet", "grad_reduce"))
+WARM_UP = "warm_up"  # byte-counter kind of `warm_up_p2p`
+
+
+def warm_up_p2p(group: Group, side: bool = False) -> None:
+    """Collective over `group`: one batched ring exchange (an element to the next rank, one from
+    the previous) on its communicator (`side`: its side channel; nothing without one), so that later
+    batched point-to-point rounds may involve only some ranks: NCCL requires the first
+    `batch_isend_irecv` on a communicator to include every rank (torch.distributed.batch_isend_irecv).
+    Counted as kind `WARM_UP`."""
+    if group.size > 1 and (group.side_handle is not None or not side):
+        one = group.to_device(torch.zeros(1))
+        ring = ([((group.rank + 1) % group.size, one)], [((group.rank - 1) % group.size, torch.empty_like(one))])
+        collectives.p2p_exchange(*ring, group, kind=WARM_UP, side=side).wait()
 
 
 def side_channels(cfg) -> List[str]:
@@ -145,21 +162,33 @@ class ParallelState:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def build(cls, layout: RankLayout, rank: int, side_channels: Sequence[str] = ()) -> "ParallelState":
-        """Create every group of every kind (all ranks call new_group in the same order, as
-        torch.distributed requires) and keep the ones this rank belongs to; for each kind in
-        `side_channels`, a second process group over the same ranks (`Group.side_handle`)."""
+        """Create every group of every kind and keep the ones this rank belongs to; for each kind in
+        `side_channels`, a second process group over the same ranks (`Group.side_handle`), warmed
+        up at once (`warm_up_p2p`). All ranks call new_group in the same order, as torch.distributed
+        requires (without use_local_synchronization, whose hashed names would collide for groups
+        of equal ranks: a side channel, tp = esp). A group of one rank gets no process group (its
+        collectives are no-ops; at ~1k ranks each new_group costs store round trips): every rank
+        skips the same calls, since all compute the same layout."""
         state = cls(layout=layout, rank=rank)
         distributed = collectives.is_initialized()
+
+        def new_group(ranks):
+            return collectives.new_group(ranks) if distributed and len(ranks) > 1 else None
+
         for name in GROUP_NAMES:
             for ranks in layout.groups(name):
-                handle = collectives.new_group(ranks) if distributed else None
+                handle = new_group(ranks)
                 if rank in ranks:
-                    state.groups[name] = Group(name, ranks, ranks.index(rank), handle, layout.ranks_per_node)
+                    device = collectives.backend_device(handle) if handle is not None else None
+                    state.groups[name] = Group(name, ranks, ranks.index(rank), handle, layout.ranks_per_node,
+                                               device=device)
         for name in sorted(side_channels):
             for ranks in layout.groups(name):
-                handle = collectives.new_group(ranks) if distributed else None
+                handle = new_group(ranks)
                 if rank in ranks:
                     state.groups[name].side_handle = handle
+        for name in sorted(side_channels):
+            warm_up_p2p(state.groups[name], side=True)
         return state
 
     @classmethod

@@ -12,10 +12,14 @@ head j // (heads / G), as in HF's `repeat_kv`. `model.head_dim` may differ from 
 
 Optional QK-norm (`model.qk_norm`, model/qk_norm.py) normalizes q and k before rotary positions.
 Causal (GPT) or bidirectional (BERT) with an optional key padding mask; optional rotary positions.
-Without active dropout it calls torch SDPA (`model/core_attention.py`: with its own backward for bf16
+On CUDA the core is one SDPA call with the dropout and un-repeated K/V (`enable_gqa`;
+`core_attention.fused_attention`, its dropout drawn from the TP-sharded generator below). On the CPU
+(and in Lancet's batch parts with dropout) the K/V heads are repeated per query head; without
+active dropout it calls torch SDPA (`model/core_attention.py`: with its own backward for bf16
 on the CPU); with attention-probability dropout in training it
 computes softmax explicitly so the mask comes from the TP-sharded dropout generator
-(`tensor_parallel/random.py`): each rank draws different masks for its different heads.
+(`tensor_parallel/random.py`): each rank draws different masks for its different heads. Its scores
+are fp32 in bf16 too, as `core_attention`'s; the probabilities are rounded to bf16 for `probs @ v`.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config, ModelConfig
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.core_attention import core_attention
+from megatron_moe.model.core_attention import core_attention, fused_attention
 from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm
 from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import RotaryTables, apply_rotary
@@ -116,12 +120,13 @@ class SelfAttention(torch.nn.Module):
         q, k = qk.split([per_group, 1], dim=3)
         q = q.reshape(b, s, self.local_heads, d)  # [b, s, heads/tp, d]
         q, k, v = q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # [b, heads/tp | G/tp, s, d]
-        if self.per_group > 1:  # query head j attends with key/value head j // per_group
+        fused = self.fused(q)  # decided once: a recomputation in backward runs outside Lancet's batch parts
+        if self.per_group > 1 and not fused:  # query head j attends with key/value head j // per_group
             k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
         if self.recompute:
-            context = recomputed(self._attend, self.rng, x.device, q, k, v, padding_mask)  # [b, heads/tp, s, d]
+            context = recomputed(self._attend, self.rng, x.device, q, k, v, padding_mask, fused)  # [b, heads/tp, s, d]
         else:
-            context = self._attend(q, k, v, padding_mask)
+            context = self._attend(q, k, v, padding_mask, fused)
         return self.proj(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def _allowed(self, s: int, padding_mask: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -134,14 +139,33 @@ class SelfAttention(torch.nn.Module):
             allowed = keys if allowed is None else allowed & keys
         return allowed
 
-    def _attend(self, q, k, v, padding_mask):
-        if not (self.training and self.attn_dropout.p > 0):
+    def _dropping(self) -> bool:
+        return self.training and self.attn_dropout.p > 0
+
+    def fused(self, q: torch.Tensor) -> bool:
+        """Whether the core is one SDPA call on un-repeated K/V (`core_attention.fused_attention`):
+        on CUDA, unless dropout must draw its masks here as slices of whole micro-batch ones (Lancet's
+        batch parts, `DropoutRNG.batch_parts`)."""
+        return q.device.type == "cuda" and not (self._dropping() and self.rng.in_batch_part)
+
+    def _attend(self, q, k, v, padding_mask, fused: bool = False):
+        """q `[b, heads/tp, s, d]`, k, v `[b, G/tp, s, d]` when `fused` (`fused`), else `[b, heads/tp, s, d]`
+        -> `[b, heads/tp, s, d]`."""
+        if fused:
+            mask = self._allowed(q.shape[2], padding_mask, q.device) if padding_mask is not None else None
+            if not self._dropping():
+                return fused_attention(q, k, v, self.causal, mask)
+            generator = self.rng.generator(self.attn_dropout.region, q.device)
+            return fused_attention(q, k, v, self.causal, mask, self.attn_dropout.p, generator)
+        if not self._dropping():
             if padding_mask is None:
                 return core_attention(q, k, v, self.causal)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self._allowed(q.shape[2], padding_mask, q.device))
-        scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5  # [b, heads/tp, s, s]
+        # fp32 scores of bf16 q, k (exact products, fp32 sums), as core_attention's: rounding them to bf16
+        # before the softmax moves dq ~10x more (docs/precision.md); in fp32 the same ops as before
+        scores = (q.float() @ k.float().transpose(-2, -1)) * self.head_dim ** -0.5  # [b, heads/tp, s, s] fp32
         allowed = self._allowed(q.shape[2], padding_mask, q.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = self.attn_dropout(torch.softmax(scores.float(), dim=-1).to(v.dtype))
+        probs = self.attn_dropout(torch.softmax(scores, dim=-1).to(v.dtype))
         return probs @ v

@@ -25,7 +25,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.model.pipeline_stages import StagedModel
 from megatron_moe.tensor_parallel import copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
 

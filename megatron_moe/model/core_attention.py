@@ -1,5 +1,7 @@
 """The attention core softmax(q k^T / sqrt(d)) v: torch SDPA, with a faster backward for bf16 on the CPU.
 
+On CUDA `SelfAttention` calls `fused_attention`: one SDPA call with the mask, the dropout (from
+the model's TP-sharded generator) and un-repeated grouped-query K/V. Elsewhere, without dropout,
 `core_attention` calls `F.scaled_dot_product_attention` everywhere but in one case: bf16 on the CPU
 (where `training.precision=bf16` trains with AMX), causal or unmasked, sequences of at most
 `MAX_RECOMPUTE_SEQ`, gradients wanted. There the forward is the same flash kernel (the same output,
@@ -29,7 +31,7 @@ are then set to 0.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,30 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _FlashRecomputedBackward.apply(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=None,
+                    dropout_p: float = 0.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The CUDA path (`SelfAttention`): one SDPA call with the mask, the dropout and grouped-query
+    attention inside. q `[b, heads, s, d]`, k, v `[b, G, s, d]` un-repeated (`enable_gqa`: the
+    flash kernel reads key/value head j // (heads / G) for query head j; fp32 and masked calls,
+    which flash does not take, go to the math kernel, which repeats them itself), mask `[b|1, 1, s,
+    s]` bool or None -> `[b, heads, s, d]`. Dropout draws from `generator` (a torch.Generator on
+    q's device): SDPA draws from the device's default generator, so `generator`'s state is swapped in
+    for the call and taken back after it, as Megatron's CUDA RNG tracker forks its states."""
+    def call(p: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None,
+                                              enable_gqa=True)
+    if dropout_p == 0.0:
+        return call(0.0)
+    default = torch.cuda.default_generators[q.device.index] if q.device.type == "cuda" else torch.default_generator
+    outside = default.get_state()
+    default.set_state(generator.get_state())
+    try:
+        return call(dropout_p)
+    finally:
+        generator.set_state(default.get_state())
+        default.set_state(outside)
 
 
 class _FlashRecomputedBackward(torch.autograd.Function):

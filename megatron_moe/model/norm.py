@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_moe.config.schema import ModelConfig
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ holds chunks s, p + s, ...; with v = 1 the layers [s L/p, (s+1) L/p). The first 
 input embedding, the last one the final norm, the output head and the loss.
 
 Parameters keep their global names on every layout (`layers.<global index>.…`, `embedding.…`),
-so initialization from the seed and checkpoints (`model/param_meta.py`) are layout-independent.
+so initialization from the seed and checkpoints (`tensor_parallel/param_meta.py`) are layout-independent.
 Tied word embeddings (Megatron's embedding group): when the output layer reuses the word embedding
 and the last chunk is on another stage than the first, the last stage holds a copy of the word
 table under the same name. Both copies are marked `tied_across_stages`: their gradients are summed
@@ -31,14 +31,14 @@ from megatron_moe.model.attention import rotary_tables
 from megatron_moe.model.compile import compile_layers
 from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
-from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
 from megatron_moe.config.registry import Hooks
 from megatron_moe.tensor_parallel import DropoutRNG
 
 # What the floors above add to a stage's model, registered next to their code:
 #   "perf.hardware_profile"   (cfg, state, device) -> cfg with a profile when a technique needs one
-#                             (perf/calibrate.py, collective)
+#                             (training/calibrate.py, collective)
 #   "moe.lancet.defer_wgrad"  (model, cfg) -> None: attach the dW scheduler (techniques/lancet/lancet.py)
 #   "moe.lancet.partitions"   (cfg, state, rng, layers) -> the chunk's partitioner or None
 #                             (techniques/lancet/lancet_partition.py)

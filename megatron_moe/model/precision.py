@@ -27,6 +27,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from megatron_moe.perf.host_sync import to_host
+
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _OUT_DTYPE_MM: Dict[str, bool] = {}  # device type -> does `torch.mm(bf16, bf16, out_dtype=fp32)` run there?
 
@@ -65,7 +67,11 @@ def grad_dtype(p: torch.nn.Parameter) -> torch.dtype:
 
 def grad_buffer(p: torch.nn.Parameter) -> torch.Tensor:
     """Where gradient contributions of `p` are added: its fp32 `main_grad`, else its `.grad`
-    (created as autograd would)."""
+    (created as autograd would). Raises once `p`'s gradient bucket is being reduced
+    (`optimizer.overlap_grad_reduce`, training/grads.py): a late addition would be lost."""
+    if getattr(p, "grad_reduce_started", False):
+        raise RuntimeError(f"a gradient of a parameter {tuple(p.shape)} was added after its bucket's reduction started "
+                           "(optimizer.overlap_grad_reduce): its writer runs after the parameter's last gradient hook")
     if has_main_grad(p):
         return p.main_grad
     if p.grad is None:
@@ -73,9 +79,10 @@ def grad_buffer(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def _fold_grad(p: torch.Tensor) -> None:
-    """Post-accumulate-grad hook: autograd's bf16 `.grad` into the fp32 main gradient, then freed."""
-    if p.grad is not None:
+def fold_grad(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: autograd's bf16 `.grad` into the fp32 main gradient, then freed
+    (a no-op without either: later hooks may call it to be sure it ran)."""
+    if p.grad is not None and has_main_grad(p):
         p.main_grad.add_(p.grad)
         p.grad = None
 
@@ -90,7 +97,7 @@ def attach_main_grads(params: Sequence[torch.nn.Parameter], flat: torch.Tensor,
         p.main_grad = flat[start: start + p.numel()].view(p.shape)
         offset = start + p.numel()
         if not getattr(p, "_main_grad_hook", False):
-            p.register_post_accumulate_grad_hook(_fold_grad)
+            p.register_post_accumulate_grad_hook(fold_grad)
             p._main_grad_hook = True
 
 
@@ -136,8 +143,8 @@ def resize_main_grad(p: torch.nn.Parameter) -> None:
 def _out_dtype_mm(device: torch.device) -> bool:
     if device.type not in _OUT_DTYPE_MM:
         try:
-            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            ok = bool(torch.all(torch.mm(a, a, out_dtype=torch.float32) == 2))
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)  # read once, through the counted helper
+            ok = bool(to_host(torch.all(torch.mm(a, a, out_dtype=torch.float32) == 2), "mm out_dtype probe"))
         except (RuntimeError, NotImplementedError, TypeError):
             ok = False
         _OUT_DTYPE_MM[device.type] = ok

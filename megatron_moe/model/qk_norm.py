@@ -21,7 +21,7 @@ from megatron_moe.config.schema import ModelConfig
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.norm import RMSNorm, rms_norm
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.tensor_parallel.mappings import copy_to_tp_region
 
 QK_NORMS = ("none", "head", "full")

@@ -17,7 +17,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.attention import SelfAttention
 from megatron_moe.model.mlp import MLP
 from megatron_moe.model.norm import build_norm
-from megatron_moe.model.param_meta import residual_output_std
+from megatron_moe.tensor_parallel.param_meta import residual_output_std
 from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import RotaryTables
 from megatron_moe.config.registry import Registry

@@ -20,7 +20,7 @@ import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 
 
 def make_expert_bias(num_experts: int, state: ParallelState) -> torch.nn.Parameter:

@@ -47,7 +47,8 @@ from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import expert_ffn_hidden_size
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
-from megatron_moe.model.param_meta import ParamMeta, make_param, residual_output_std
+from megatron_moe.perf import host_sync
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param, residual_output_std
 from megatron_moe.moe.grouped_gemm import grouped_mm, grouped_mm_into_grad, scale_grad, to_row_buckets
 from megatron_moe.moe.vexperts import SlotTable, expert_rows
 
@@ -59,6 +60,9 @@ class ExpertBatch:
     tokens: torch.Tensor  # [m, h], expert_ids[0]'s rows first
     expert_ids: List[int]  # global expert ids: every owned expert (ascending), then replicas (ascending)
     counts: List[int]  # rows per expert (sums to m)
+    # Long[G] `counts` on the tokens' device, where the schedule sent them down with its orders
+    # (one buffer, `schedules/base.py` `upload`); None: sent here
+    device_counts: Optional[torch.Tensor] = None
 
 
 class Experts(torch.nn.Module):
@@ -118,36 +122,41 @@ class Experts(torch.nn.Module):
             raise LookupError(f"EP rank {self.ep_rank} was asked to compute expert(s) {missing}, which it neither "
                               f"owns ({owned}) nor received as replicas ({held})")
         own_rows = sum(batch.counts[: len(owned)])
+        sent = batch.device_counts
+        if sent is None:  # one buffer down for both parts
+            sent = host_sync.to_device([torch.tensor(batch.counts, dtype=torch.long)], batch.tokens.device, "counts")[0]
         # biases through autograd; w1 / w2: the leaves themselves (every row: one per held expert)
         held = [self.w1, self.w2] + [scale_grad(p, grad_scale) for p in (self.b1, self.b2) if p is not None]
         # a vExpert rank may hold no expert at all (its slots all free): nothing of its own to compute
-        outputs = [self._ffn(batch.tokens[:own_rows], held, batch.counts[: len(owned)], grad_scale)
-                   if owned else batch.tokens[:0]]
+        outputs = [self._ffn(batch.tokens[:own_rows], held, batch.counts[: len(owned)], grad_scale,
+                             sent[: len(owned)]) if owned else batch.tokens[:0]]
         if replicas is not None:  # also with no rows here: Trans's backward (Agg) must run on every rank
             outputs.append(self._ffn(batch.tokens[own_rows:], [scale_grad(p, grad_scale) for p in replicas.stacks()],
-                                     batch.counts[len(owned):]))
+                                     batch.counts[len(owned):], device_counts=sent[len(owned):]))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _ffn(self, x: torch.Tensor, params: Sequence[torch.Tensor], counts: List[int],
-             own_grad_scale: Optional[float] = None) -> torch.Tensor:
-        """x [m, h] grouped by expert (`counts`) through stacked shards (`stacks()` order) -> [m, h].
-        With `own_grad_scale`, w1 / w2 are this module's own stacks and their weight gradients,
-        times the scale, go straight into `.grad`, in backward or deferred by Lancet's scheduler
-        (`grouped_mm_into_grad`)."""
+             own_grad_scale: Optional[float] = None, device_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [m, h] grouped by expert (`counts`; `device_counts` the same on x's device) through
+        stacked shards (`stacks()` order) -> [m, h]. With `own_grad_scale`, w1 / w2 are this
+        module's own stacks and their weight gradients, times the scale, go straight into
+        `.grad`, in backward or deferred by Lancet's scheduler (`grouped_mm_into_grad`)."""
         w1, w2 = params[0], params[1]
         b1, b2 = (params[2], params[3]) if len(params) == 4 else (None, None)
         experts = len(counts)
         # CPU bf16: both projections on row buckets, padded once here (moe/grouped_gemm.py); the
         # padding rows' outputs are dropped at the end, so their gradients are zero
         x, counts, positions = to_row_buckets(x, counts)
+        rows = (device_counts if positions is None and device_counts is not None  # Long[G] rows per expert
+                else torch.tensor(counts, dtype=torch.long))  # (CPU row buckets: the padded counts)
 
-        def project(rows, weight):  # [m, k] through [G, k, n]
+        def project(inputs, weight):  # [m, k] through [G, k, n]
             if own_grad_scale is None:
-                return grouped_mm(rows, weight.reshape(experts, weight.shape[1], math.prod(weight.shape[2:])), counts)
-            return grouped_mm_into_grad(rows, weight, own_grad_scale, counts, self.wgrad)
+                return grouped_mm(inputs, weight.reshape(experts, weight.shape[1], math.prod(weight.shape[2:])), counts,
+                                  rows)
+            return grouped_mm_into_grad(inputs, weight, own_grad_scale, counts, self.wgrad, rows)
 
         hidden = project(x, w1)  # [m, W/esp]
-        rows = torch.tensor(counts, dtype=torch.long, device=x.device)
         if b1 is not None:
             hidden = hidden + b1.reshape(experts, math.prod(b1.shape[1:])).repeat_interleave(
                 rows, dim=0, output_size=x.shape[0])

@@ -77,6 +77,8 @@ class MoELayer(torch.nn.Module):
         """`while_dispatching` / `while_combining`: work to run while this forward's dispatch /
         combine all-to-all is in flight (Lancet's partitioned forward; run at once without one)."""
         b, s, h = x.shape
+        if not is_recomputing():  # Pro-Prophet: SubAgg1 of this layer's Agg goes out when x's gradient is complete
+            x = self.balancer.cross_layer.layer_input(self, x)
         routed = self.schedule.route(self.router, x.reshape(b * s, h))
         if is_recomputing():  # training.recompute=full: the original forward again, nothing learned
             return self._recompute(routed, x.reshape(b * s, h), b, s, h, x.dtype)
@@ -101,7 +103,8 @@ class MoELayer(torch.nn.Module):
         cross_layer = self.balancer.cross_layer
         shared, run_shared = self._shared(x.reshape(b * s, h))
         hooks = RunHooks(_both(_both(observe, while_dispatching), run_shared),
-                         lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()), while_combining)
+                         lambda: cross_layer.before_experts(self, placement.tokens_per_ep_rank()), while_combining,
+                         lambda out: cross_layer.experts_output(self, out))
         y = shared(self.schedule.run(routed, placement, self.experts, replicas, hooks))  # [b*s, h]
         cross_layer.after_layer(self)
         stats = self.schedule.stats(routed, placement)

@@ -45,7 +45,7 @@ from megatron_moe.config.registry import Registry
 from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.moe.expert_bias import LoadCounter, make_expert_bias
 
 
@@ -62,17 +62,19 @@ class Routing:
     prior_counts: Optional[torch.Tensor] = None  # Long[E] assignments of the micro-batch's earlier parts
 
     @property
-    def dropped(self) -> int:
-        return int((~self.kept).sum())
+    def dropped(self) -> torch.Tensor:
+        """Long scalar on the device (read with the iteration's statistics, not here: no host sync)."""
+        return (~self.kept).sum()
 
-    def dropped_of_counts(self) -> int:
+    def dropped_of_counts(self) -> torch.Tensor:
         """Assignments of these tokens that capacity drops, from the counts alone (for a schedule
-        whose `kept` covers only its own piece of the tokens, e.g. Parm S1's)."""
+        whose `kept` covers only its own piece of the tokens, e.g. Parm S1's); a Long scalar on
+        the device."""
         if self.capacity is None:
-            return 0
+            return self.tokens_per_expert.new_zeros(())
         prior = self.prior_counts if self.prior_counts is not None else torch.zeros_like(self.tokens_per_expert)
         over = (prior + self.tokens_per_expert - self.capacity).clamp(min=0) - (prior - self.capacity).clamp(min=0)
-        return int(over.sum())
+        return over.sum()
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -153,18 +155,40 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Long[E]: how many entries of `expert_ids` (any shape, values in [0, E)) name each expert.
+    A scatter-add into [E], not `torch.bincount` (which reads the ids' maximum on the host)."""
+    flat = expert_ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def kept_counts(expert_ids: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Long[E]: the kept assignments (`kept` Bool, same shape as `expert_ids`) to each expert; the
+    dropped ones go to an extra bin that is cut off (no boolean indexing: no host read)."""
+    return expert_counts(expert_ids.masked_fill(~kept, num_experts), num_experts + 1)[:num_experts]
+
+
 def capacity_keep(expert_ids: torch.Tensor, num_experts: int, capacity: Optional[int],
                   prior_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Bool[n, k]: assignment kept under `capacity` by token-major position (module docstring).
     `prior_counts` Long[E]: assignments to each expert in the pieces of the micro-batch before
-    these n tokens."""
+    these n tokens.
+
+    The position of an assignment among its expert's is its index in a stable sort of the
+    flattened [n k] ids by expert minus the expert's first index there: token order within an
+    expert, as a token chooses an expert at most once. O(n k) memory, nothing of size E per token
+    (a one-hot [n, k, E] would be 512 MiB at 32k tokens and 256 experts)."""
     if capacity is None:
         return torch.ones_like(expert_ids, dtype=torch.bool)
-    chose = F.one_hot(expert_ids, num_experts).sum(1)  # [n, E] 0/1: token t chose expert e
-    position = chose.cumsum(0) - chose  # [n, E] earlier tokens that chose e
+    flat = expert_ids.reshape(-1)  # [n k] token-major
+    order = torch.argsort(flat, stable=True)  # by expert, token order within an expert
+    counts = expert_counts(flat, num_experts)
+    starts = counts.cumsum(0) - counts  # [E] first index of each expert in `order`
+    ranked = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, flat.index_select(0, order))
+    position = torch.empty_like(flat).scatter_(0, order, ranked)  # [n k] earlier assignments to the same expert
     if prior_counts is not None:
-        position = position + prior_counts
-    return position.gather(1, expert_ids) < capacity  # [n, k]
+        position = position + prior_counts.index_select(0, flat)
+    return (position < capacity).view_as(expert_ids)
 
 
 def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -265,7 +289,7 @@ class Router(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.logits(x)  # [n, E] fp32
         probs, expert_ids, weights = self.select(logits)
-        tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)  # [E]
+        tokens_per_expert = expert_counts(expert_ids, self.num_experts)  # [E]
         capacity = self.capacity(x.shape[0])
         if self.partition is not None:  # one part: losses once every part is routed
             prior = self.partition.next_part(tokens_per_expert, probs.sum(0), torch.logsumexp(logits, -1).pow(2).sum())

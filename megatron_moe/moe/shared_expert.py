@@ -21,7 +21,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import MLP
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.model.transformer import residual_output_std
 
 

@@ -1,21 +1,29 @@
-"""Per-layer MoE statistics, refreshed by every `MoELayer.forward` (`layer.last_stats`)."""
+"""Per-layer MoE statistics, refreshed by every `MoELayer.forward` (`layer.last_stats`).
+
+What the router counted stays on the device (`tokens_per_expert`, `dropped`): a forward reads
+nothing for its statistics. `IterationMoEStats` sums them over an iteration's micro-batches on
+the device and `on_host()` reads every layer's at once, one host read per iteration
+(`perf/host_sync.py`; the trainer calls it after the iteration's backward passes). What the
+placement counted (`tokens_per_ep_rank`) was computed on the host from the counts it read."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 import torch
 
+from megatron_moe.perf.host_sync import to_host_all
 from megatron_moe.perf.timing import Duration
 
 
 @dataclass
 class MoEStats:
-    # Long[E]: routed (token, expert) assignments of this rank's data-parallel micro-batch, before drops
+    # Long[E] on the device: routed (token, expert) assignments of this rank's data-parallel
+    # micro-batch, before drops
     tokens_per_expert: torch.Tensor
-    # assignments of that micro-batch dropped by capacity (0 when dropless)
-    dropped: int
+    # Long scalar on the device (or an int): assignments of that micro-batch dropped by capacity (0 when dropless)
+    dropped: torch.Tensor
     # Long[ep]: assignments actually computed by (each ESP shard of) every EP rank of this rank's
     # `ep_esp` group in this forward, after drops and placement; redundant copies included (the
     # baseline computes each TP rank's copy of a token)
@@ -59,9 +67,11 @@ class MoEStats:
 class IterationMoEStats:
     """Every MoE layer's `MoEStats` summed over this rank's micro-batches of one iteration."""
 
-    tokens_per_expert: torch.Tensor  # Long[L, E] routed assignments before drops
-    dropped: torch.Tensor  # Long[L] assignments dropped by capacity
-    tokens_per_ep_rank: torch.Tensor  # Long[L, ep] assignments computed per EP rank
+    # Long[L, E] routed assignments before drops, Long[L] assignments dropped by capacity: on the
+    # device until `on_host()`
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+    tokens_per_ep_rank: torch.Tensor  # Long[L, ep] assignments computed per EP rank (host)
     # per layer: how many of this rank's micro-batch forwards ran each schedule (Parm `auto` may
     # pick s1 or s2 per layer and forward)
     schedules: List[Counter] = field(default_factory=list)
@@ -70,18 +80,26 @@ class IterationMoEStats:
     # [L][5] `Duration`s summed over forwards: plan, trans exposed / total, agg exposed / total
     # (`timing_seconds()` reads them)
     timing: List[List[Duration]] = None
-    # Long[F, L, E] `tokens_per_expert` of each forward, in order (routing traces keep them per micro-batch)
+    # Long[F, L, E] `tokens_per_expert` of each forward, in order (routing traces keep them per
+    # micro-batch); on the device until `on_host()`
     forward_counts: torch.Tensor = None
 
     @classmethod
     def of(cls, stats: List[MoEStats]) -> "IterationMoEStats":
-        """One micro-batch's stats (`ModelOutput.moe_stats`, one per MoE layer), on the CPU."""
-        return cls(torch.stack([s.tokens_per_expert.cpu() for s in stats]),
-                   torch.tensor([s.dropped for s in stats], dtype=torch.long),
-                   torch.stack([s.tokens_per_ep_rank.cpu() for s in stats]),
+        """One micro-batch's stats (`ModelOutput.moe_stats`, one per MoE layer); the router's
+        counts stay where they are (no host read)."""
+        counts = torch.stack([s.tokens_per_expert for s in stats])  # [L, E]
+        dropped = torch.stack([torch.as_tensor(s.dropped, dtype=torch.long, device=counts.device) for s in stats])
+        return cls(counts, dropped, torch.stack([s.tokens_per_ep_rank for s in stats]),
                    [Counter({s.schedule: 1}) for s in stats], torch.tensor([s.replicas for s in stats]),
-                   timing=[s.timing() for s in stats],
-                   forward_counts=torch.stack([s.tokens_per_expert.cpu() for s in stats])[None])
+                   timing=[s.timing() for s in stats], forward_counts=counts[None])
+
+    def on_host(self) -> "IterationMoEStats":
+        """The same statistics with the device counts read to the host: every layer's and every
+        forward's in one read (`perf/host_sync.py`)."""
+        counts, dropped, forward = to_host_all([self.tokens_per_expert.long(), self.dropped.long(),
+                                                self.forward_counts.long()], "iteration statistics")
+        return replace(self, tokens_per_expert=counts, dropped=dropped, forward_counts=forward)
 
     def timing_seconds(self) -> torch.Tensor:
         """Double[L, 5] seconds of `timing` (waits for the device where a span has not ended)."""

@@ -2,7 +2,7 @@
 compare (Parm's Alg. 1, FasterMoE's Eq. 7-10, ...).
 
 A profile is a YAML file (shipped ones in `configs/hardware/`, fitted ones written by
-`tools/profile_comm.py` or by start-up calibration, `perf/calibrate.py`)::
+`tools/profile_comm.py` or by start-up calibration, `training/calibrate.py`)::
 
     name: parm_testbed_a
     description: where the numbers come from
@@ -194,12 +194,12 @@ def _parse_profile(path: str, text: str) -> HardwareProfile:
 def configured_profile(cfg, ops: Sequence[str], who: str) -> HardwareProfile:
     """`perf.hardware_profile` of `cfg`, loaded and checked for `ops` (needed by `who`, a config
     key=value). Unset, a ConfigError says what to pass: the trainer and the models
-    (`model/pipeline_stages.py`) calibrate one first (`perf/calibrate.py`), a schedule, balancer
+    (`model/pipeline_stages.py`) calibrate one first (`training/calibrate.py`), a schedule, balancer
     or Lancet scheduler built on its own cannot."""
     path = cfg.perf.hardware_profile
     if not path:
         raise ConfigError(f"{who} needs perf.hardware_profile: set it, or pass the config through "
-                          "perf.calibrate.resolve_hardware_profile(cfg, state, device) first (the trainer, "
+                          "training.calibrate.resolve_hardware_profile(cfg, state, device) first (the trainer, "
                           "GPTMoEModel and BertMoEModel do: they calibrate one on the ranks)")
     return load_profile(path).require(ops, who)
 

@@ -21,7 +21,7 @@ Costs (seconds, arrays over the simulated ranks, x in elements):
 * compute: ``expert_compute.time(FLOPs)`` (dense: the dense throughput); none for 0 FLOPs.
 
 `decision_profile(cluster, world)`: the flat ops (Parm Alg. 1, FasterMoE Eq. 7-10, Pro-Prophet,
-FlexMoE) as start-up calibration (`perf/calibrate.py`) would measure them on this layout:
+FlexMoE) as start-up calibration (`training/calibrate.py`) would measure them on this layout:
 mp_allgather on `tp`, ep_esp_alltoall on `ep_esp` (evenly split input: the node / off-node link
 that dominates at large x, its beta times the fraction of the input it carries), p2p between EP
 ranks 0 and 1, broadcast on `ep`, saa = the overlapped all-to-all and all-gather (the larger of

@@ -5,17 +5,18 @@ forward and backward as `Op`s (`sim/ops.py`), with the bytes `distributed/collec
 What each schedule issues, per rank (n: tokens of the micro-batch, h: hidden, k: top-k, E experts;
 rows: kept assignments; a group of one rank issues nothing), in the order the layer issues it:
 
-    baseline (moe/schedules/baseline.py, Parm Fig. 3(a)): ESP-AllGather of sizes, expert ids and
-      combine weights ("all_gather_routing/esp") and of the tokens ("all_gather/esp"); counts on
-      `ep`; EP-AlltoAll; experts; ESP-AllReduce; EP-AlltoAll back. Backward: the ESP-Split's
-      all-gather, the two all-to-alls reversed, the tokens' reduce-scatter.
+    baseline (moe/schedules/baseline.py, Parm Fig. 3(a)): ESP-AllGather of expert ids and
+      combine weights ("all_gather_routing/esp"; the sizes are the config's) and of the tokens
+      ("all_gather/esp"); counts on `ep`; EP-AlltoAll; experts; ESP-AllReduce; EP-AlltoAll back.
+      Backward: the ESP-Split's all-gather, the two all-to-alls reversed, the tokens' reduce-scatter.
     s1 (Fig. 3(b)): counts on `tp` and the aux-loss sums' all-reduce, counts on `ep_esp`,
       EP&ESP-AlltoAll (each row to every shard holder of its EP rank), experts, back, MP-AllGather
       of the outputs. Backward: the all-to-alls reversed, the router weight's all-reduce and the
       MP-Split's all-gather on `tp`.
     s2 (Fig. 3(c)): counts on `ep_esp`, EP&ESP-AlltoAll of this TP rank's chunk of every expert,
       experts, back (AAS: all-to-all then MP-AllGather; SAA: phased point to point with the
-      all-gathers overlapped, after one exchange of the TP peers' splits); backward the same.
+      all-gathers overlapped, after one exchange of the TP peers' splits where a TP group spans
+      ep_esp groups); backward the same.
     auto: both candidates' counts on `ep_esp`, Alg. 1's pick (`techniques/parm/parm_model.py`, the max over
       `tp` when a TP group spans ep_esp groups), then S1's or S2's exchange (S1 split after the gate).
     smart (FasterMoE §4.2, `moe.smart_schedule`): the exchange, experts and exchange back as
@@ -262,8 +263,7 @@ class BaselineModel(ScheduleModel):
         out = LayerOps()
         f, bw = out.forward, out.backward
         if esp:
-            f += [self._meta("routing", "all_gather_routing", "esp", lay.expert_shard),
-                  self._meta("routing", "all_gather_routing", "esp", s.top_k * n_gathered),
+            f += [self._meta("routing", "all_gather_routing", "esp", s.top_k * n_gathered),
                   self._meta("routing", "all_gather_routing", "esp", s.top_k * n_gathered, 4),
                   self._rows("esp_allgather", "all_gather", "esp", n_gathered, "all_gather")]
             bw.append(self._rows("esp_split", "all_gather", "esp", n_gathered, "all_gather"))
@@ -313,7 +313,8 @@ class ParmModel(ScheduleModel):
         f += issue_trans(b, tag, dispatch=self._exchange("dispatch", M, "ep_esp")) + [self._experts(rows, False)]
         bw += [self._exchange("combine", M, "ep_esp"), self._experts(rows, True), agg]
         if saa:
-            if tp:  # the TP peers' splits and send orders, once per forward
+            if tp and (lay.expert * lay.expert_shard) % lay.tensor:  # the TP peers' splits and send orders,
+                # once per forward, where a TP group spans ep_esp groups (else its own placement has them)
                 f.insert(0, self._meta("routing", "all_gather_routing", "tp", lay.tensor * lay.expert + m_all))
             f.append(self._saa("combine", M, m_all))
             bw.append(self._saa("dispatch", M, m_all))

@@ -1,14 +1,16 @@
 """Simulated expert-weight traffic: per-iteration replicas (*Trans* / *Agg*, `moe/replicas.py`) and
 persistent vExperts (gradient sum and moves, `moe/vexperts.py`), as `Op`s on the ``ep`` groups.
 
-Every ESP shard rank j of an ep_esp group moves its own shard (Q elements) on its ep group; w = the
-weights' width (`Widths.weight`: 2 in bf16 runs, else 4), gradients are fp32 main gradients:
+Every ESP shard rank j of an ep_esp group moves its own shard (Q elements) on its ep group (Trans
+and Agg on its side channel, counted under ``ep_side`` as in training, where `SIDE_CHANNELS`
+builds one); w = the weights' width (`Widths.weight`: 2 in bf16 runs, else 4), gradients are fp32
+main gradients:
 
     Trans  expert on every EP rank (FasterMoE's shadow): a broadcast from the owner per parameter
-           tensor; the owner counts Q x w x (ep - 1) bytes ("trans/ep"). Otherwise point to point:
+           tensor; the owner counts Q x w x (ep - 1) bytes ("trans/ep_side"). Otherwise point to point:
            the owner sends Q x w bytes to each replica.
     Agg    the adjoint: a reduce to the owner (every other rank counts Q x 4), or each replica
-           sends Q x 4 bytes to the owner ("agg/ep").
+           sends Q x 4 bytes to the owner ("agg/ep_side").
     vExpert gradients: among each expert's k holders (FlexMoE Eq. 9), two rounds of point-to-point
            messages on ep (`vexperts.grad_sum_traffic`): each holder sends each chunk's root its
            part (about Q / k x 4 bytes), then each root sends the other holders its summed chunk
@@ -28,6 +30,8 @@ import numpy as np
 from megatron_moe.moe.vexpert_moves import plan_transfers
 from megatron_moe.moe.vexperts import grad_sum_traffic
 from megatron_moe.sim.ops import Op, OpBuilder, Traffic, profile_elements
+
+SIDE = "ep_side"  # the group name Trans / Agg count under (`Group.side_channel()`, moe/replicas.py)
 
 
 def _per_ep_group(b: OpBuilder, per_ep_esp_group: List[np.ndarray]) -> np.ndarray:
@@ -72,13 +76,13 @@ def replica_ops(b: OpBuilder, placements: list, params: int, tensors: int, handl
         width = 4 if backward else b.widths.weight
         cost_all = everywhere * (tensors * alpha + beta * profile_elements(params, width))
         counted = (everywhere - owned) * params * width if backward else owned * params * width * (ep - 1)
-        ops.append(Op(kind, "issue", lambda k, c=cost_all: c / k, "ep", [Traffic(f"{kind}/ep", counted)], handle))
+        ops.append(Op(kind, "issue", lambda k, c=cost_all: c / k, "ep", [Traffic(f"{kind}/{SIDE}", counted)], handle))
     P = _per_ep_group(b, pairs)
     if P.any():
         kind = "agg" if backward else "trans"
-        ops.append(b.exchange(kind, kind, "ep", P.transpose(0, 2, 1) if backward else P,
-                              4 if backward else b.widths.weight, counts_own=False,
-                              cost_kind="p2p", mode="issue", handle=handle))
+        op = b.exchange(kind, kind, "ep", P.transpose(0, 2, 1) if backward else P, 4 if backward else b.widths.weight,
+                        counts_own=False, cost_kind="p2p", mode="issue", handle=handle)
+        ops.append(replace(op, traffic=[replace(t, key=f"{kind}/{SIDE}") for t in op.traffic]))
     return ops
 
 

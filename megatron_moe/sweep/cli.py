@@ -3,7 +3,7 @@
     tools/sweep.py plan configs/sweeps/balancers_ep2.yaml [--simulate configs/hardware/X.yaml]
     tools/sweep.py run configs/sweeps/balancers_ep2.yaml [--only NAME ...] [--no-wait]
     tools/sweep.py status configs/sweeps/balancers_ep2.yaml      # or the sweep directory
-    tools/sweep.py report runs/sweeps/balancers_ep2 [--group-by moe.schedule]
+    tools/sweep.py report runs/sweeps/balancers_ep2 [--group-by moe.schedule | --group-by none]
 
 Exit codes: 0 ok; 1 some run failed (or is unfinished); 2 a bad sweep file or run (one line
 `sweep error: ...` per problem, nothing launched); 130 `run` stopped by Ctrl-C / SIGTERM.
@@ -55,7 +55,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         s.add_argument("sweep", help="the sweep directory (or the sweep file)")
         s.add_argument("--sweep-dir", default=None, help="with a sweep file: its directory, if not the default")
     report = sub.choices["report"]
-    report.add_argument("--group-by", default=None, help="loss-curve panels by this varied key")
+    report.add_argument("--group-by", default=None, metavar="KEY|none",
+                        help="loss-curve panels by this varied key; none: every point in one panel per metric "
+                             "(default: none when one key varies, else the first key)")
     report.add_argument("--value", choices=("final", "mean"), default=None, help="override report.value")
     report.add_argument("--last-n", type=int, default=None, help="override report.last_n")
     return p.parse_args(argv)

@@ -1,7 +1,9 @@
 """The report's pictures and TensorBoard HParams (report.py computes the numbers).
 
-    loss_curves.png   loss over iterations, one panel per value of the group key, one line per point
-                      (the mean over its seeds, on the iterations every seed logged)
+    loss_curves.png   curves over iterations, one line per point (the mean over its seeds, on the
+                      iterations every seed logged): with a group key, the loss, one panel per value
+                      of the key; overlaid (`--group-by none`, the default when one key varies), one
+                      panel per metric with every point in it
     throughput.png    tokens/s per point (mean ± std over seeds, value as `report.value` says)
     a2a_exposed.png   exposed token all-to-all time per point, forward and backward stacked
     hparams/<run>/    one TensorBoard run per sweep run with its varied keys as hyperparameters and
@@ -17,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_moe.sweep.report import (PointRow, RunRow, aggregate, collect, metric_value, reduce_metric,
                                        write_markdown, write_points_csv, write_runs_csv)
-from megatron_moe.sweep.spec import SEED_KEY, format_value
+from megatron_moe.sweep.spec import NO_GROUP, SEED_KEY, format_value
 
 
 def _pyplot():
@@ -41,28 +43,43 @@ def _label(point: PointRow, group_by: Optional[str]) -> str:
     return ",".join(parts) or point.point
 
 
-def plot_loss_curves(path: str, points: Sequence[PointRow], group_by: Optional[str]) -> str:
+def curves_figure(points: Sequence[PointRow], group_by: Optional[str], metrics: Sequence[str] = ("loss",)):
+    """The loss_curves.png figure. `group_by` a key: one panel per value of it, the loss of its
+    points; None (overlay): one panel per metric that some point logged, every point in it."""
     plt = _pyplot()
-    groups: Dict[str, List[PointRow]] = {}
-    for p in points:
-        groups.setdefault(format_value(p.varied.get(group_by)) if group_by else "all runs", []).append(p)
-    cols = min(len(groups), 3)
-    rows = math.ceil(len(groups) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False, sharey=True)
-    for ax, (value, members) in zip(axes.flat, groups.items()):
-        for p in members:
-            its, loss = mean_curve(p.runs)
-            if its:
-                ax.plot(its, loss, label=_label(p, group_by), linewidth=1.2)
-        ax.set_title(f"{group_by} = {value}" if group_by else value, fontsize=9)
+    panels: Dict[str, List[PointRow]] = {}
+    if group_by:
+        for p in points:
+            panels.setdefault(format_value(p.varied.get(group_by)), []).append(p)
+        curves = {value: [(p, "loss") for p in members] for value, members in panels.items()}
+    else:
+        curves = {m: [(p, m) for p in points] for m in metrics}
+    lines = {title: [(p, *mean_curve(p.runs, m)) for p, m in members] for title, members in curves.items()}
+    lines = {title: [c for c in members if c[1]] for title, members in lines.items()}
+    lines = {title: members for title, members in lines.items() if members} or {"loss": []}
+    cols = min(len(lines), 3)
+    rows = math.ceil(len(lines) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False, sharey=bool(group_by))
+    for ax, (title, members) in zip(axes.flat, lines.items()):
+        for p, its, values in members:
+            ax.plot(its, values, label=_label(p, group_by), linewidth=1.2, marker="." if len(its) < 3 else None)
+        ax.set_title(f"{group_by} = {title}" if group_by else title, fontsize=9)
         ax.set_xlabel("iteration")
+        if not group_by:
+            ax.set_ylabel(f"{title} (mean over seeds)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(groups):]:
-        ax.axis("off")
-    axes[0][0].set_ylabel("loss (mean over seeds)")
-    return _save(fig, path)
+    for ax in list(axes.flat)[len(lines):]:
+        ax.remove()
+    if group_by:
+        axes[0][0].set_ylabel("loss (mean over seeds)")
+    return fig
+
+
+def plot_loss_curves(path: str, points: Sequence[PointRow], group_by: Optional[str],
+                     metrics: Sequence[str] = ("loss",)) -> str:
+    return _save(curves_figure(points, group_by, metrics), path)
 
 
 def _per_point(points: Sequence[PointRow], metric: str, value: str, last_n: int):
@@ -104,9 +121,10 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def plot_all(sweep_dir: str, points: Sequence[PointRow], group_by: Optional[str], value: str, last_n: int) -> List[str]:
+def plot_all(sweep_dir: str, points: Sequence[PointRow], group_by: Optional[str], value: str, last_n: int,
+             metrics: Sequence[str] = ("loss",)) -> List[str]:
     how = "final" if value == "final" else f"mean of the last {last_n} iterations"
-    return [plot_loss_curves(os.path.join(sweep_dir, "loss_curves.png"), points, group_by),
+    return [plot_loss_curves(os.path.join(sweep_dir, "loss_curves.png"), points, group_by, metrics),
             plot_bars(os.path.join(sweep_dir, "throughput.png"), points, ["tokens_per_sec"],
                       f"tokens/s ({how}; mean ± std over seeds)", value, last_n),
             plot_bars(os.path.join(sweep_dir, "a2a_exposed.png"), points,
@@ -134,6 +152,14 @@ def write_hparams(sweep_dir: str, rows: Sequence[RunRow], keys: Sequence[str], m
     return root
 
 
+def curve_group(group_by: Optional[str], keys: Sequence[str]) -> Optional[str]:
+    """The loss-curve panels' key: `group_by` as given; `none` overlays (None); unset: the first
+    varied key when several vary, else overlay (one key: one line per value in each panel)."""
+    if group_by == NO_GROUP:
+        return None
+    return group_by or (keys[0] if len(keys) > 1 else None)
+
+
 def write_report(sweep_dir: str, plan: Dict, group_by: Optional[str] = None, value: Optional[str] = None,
                  last_n: Optional[int] = None) -> List[str]:
     """Write the report files into `sweep_dir`; return their paths."""
@@ -147,7 +173,6 @@ def write_report(sweep_dir: str, plan: Dict, group_by: Optional[str] = None, val
     write_runs_csv(paths[0], rows, plan["varied_keys"], metrics)
     write_points_csv(paths[1], points, keys, metrics)
     write_markdown(paths[2], plan, points, keys, metrics, value, last_n)
-    group_by = group_by or opts["group_by"] or (keys[0] if keys else None)
-    paths += plot_all(sweep_dir, points, group_by, value, last_n)
+    paths += plot_all(sweep_dir, points, curve_group(group_by or opts["group_by"], keys), value, last_n, metrics)
     paths.append(write_hparams(sweep_dir, rows, plan["varied_keys"], metrics))
     return paths

@@ -33,11 +33,14 @@ SEED_KEY = "training.seed"
 RESERVED = ("training.run_dir", "checkpoint.dir", "checkpoint.load")
 
 
+NO_GROUP = "none"  # report.group_by / --group-by: overlay every point, one panel per metric
+
+
 @dataclass(frozen=True)
 class ReportOptions:
     value: str = "final"  # final | mean (over the last `last_n` iterations)
     last_n: int = 10
-    group_by: Optional[str] = None  # loss-curve panels; None = the first varied key
+    group_by: Optional[str] = None  # loss-curve panels by this key | none (overlay); None: none if one key varies
 
 
 @dataclass(frozen=True)
@@ -232,8 +235,9 @@ def check_report(report: ReportOptions, keys: Sequence[str]) -> None:
         raise ConfigError(f"report.value={report.value} is not one of final | mean")
     if not isinstance(report.last_n, int) or report.last_n < 1:
         raise ConfigError(f"report.last_n={report.last_n} must be a positive integer")
-    if report.group_by is not None and report.group_by not in keys:
-        raise ConfigError(f"report.group_by={report.group_by} is not a varied key (varied: {', '.join(keys) or 'none'})")
+    if report.group_by not in (None, NO_GROUP, *keys):
+        raise ConfigError(f"report.group_by={report.group_by} is not a varied key (varied: "
+                          f"{', '.join(keys) or 'none'}) or {NO_GROUP} (every point in one panel per metric)")
 
 
 def _labels(keys: Sequence[str]) -> Dict[str, str]:

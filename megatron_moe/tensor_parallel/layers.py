@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
                                                    reduce_from_tp_region, scatter_to_tp_region)
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.param_meta import _seed_for
+from megatron_moe.tensor_parallel.param_meta import _seed_for
 
 REGIONS = ("replicated", "sharded")
 
@@ -59,6 +59,11 @@ class DropoutRNG:
 
     def _keep(self, shape, p: float, region: str, device: torch.device) -> torch.Tensor:
         return torch.rand(shape, generator=self.generator(region, device), device=device) >= p
+
+    @property
+    def in_batch_part(self) -> bool:
+        """Inside `batch_parts(...).part(q)` (masks must then be drawn here, as slices of whole ones)."""
+        return self._part is not None
 
     def batch_parts(self, sizes: List[int]) -> "BatchPartDraws":
         """Masks for one micro-batch run as batch parts of `sizes` rows (module docstring)."""

@@ -1,6 +1,7 @@
 """Training checkpoints: what is saved, where, and how a run resumes (docs/checkpoints.md).
 
-A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` holding
+A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` (`checkpoint.dir` null =
+`<training.run_dir>/checkpoints`: each run its own) holding
 
 * DCP tensor files (`checkpoint_io.py`, imported on the first save or load), every tensor under its global identity:
   `model/<param name>` (global shape + each rank's shard offsets from `ParamMeta`; names are the
@@ -61,6 +62,12 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    """Where the run saves its checkpoints (and `checkpoint.load=auto` looks): `checkpoint.dir`,
+    null = `<training.run_dir>/checkpoints`."""
+    return cfg.checkpoint.dir or os.path.join(cfg.training.run_dir, "checkpoints")
 
 
 # -- state entries ------------------------------------------------------------------------------
@@ -220,10 +227,8 @@ def write_checkpoint_dir(root: str, iteration: int, entries: Dict[str, ShardedEn
 
 def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     iteration: int, trainer_state: Optional[dict] = None) -> str:
-    """Collective: save the full training state after `iteration` under `checkpoint.dir`
+    """Collective: save the full training state after `iteration` under `checkpoint_dir(cfg)`
     (`trainer_state`: plain JSON counters of the trainer, returned as meta["trainer"] on load)."""
-    if not cfg.checkpoint.dir:
-        raise CheckpointError("checkpoint.dir is not set; cannot save a checkpoint")
     for layer in (model.moe_layers() if hasattr(model, "moe_layers") else []):
         layer.balancer.complete_moves()  # best-effort vExpert moves in flight land first
     entries = {**model_entries(model, state, master_weights(model, optimizer)),
@@ -234,7 +239,7 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     balancers = _balancer_states(model, state)
     if balancers:
         meta["balancers"] = {"balancer": cfg.moe.balancer, "layout": layout_dict(state), "layers": balancers}
-    return write_checkpoint_dir(cfg.checkpoint.dir, iteration, entries, meta, to_yaml(cfg), state,
+    return write_checkpoint_dir(checkpoint_dir(cfg), iteration, entries, meta, to_yaml(cfg), state,
                                 cfg.checkpoint.keep_last)
 
 
@@ -299,14 +304,12 @@ def resolve_checkpoint(path: str) -> str:
 
 def load_path(cfg: Config) -> Optional[str]:
     """The verified checkpoint `checkpoint.load` asks for, or None (start from scratch).
-    `auto`: the newest complete one under `checkpoint.dir`, None if there is none."""
+    `auto`: the newest complete one under `checkpoint_dir(cfg)`, None if there is none."""
     ck = cfg.checkpoint
     if ck.load is None:
         return None
     if ck.load == "auto":
-        if not ck.dir:
-            raise CheckpointError("checkpoint.load=auto needs checkpoint.dir")
-        return newest_complete(ck.dir)
+        return newest_complete(checkpoint_dir(cfg))
     return resolve_checkpoint(ck.load)
 
 
@@ -331,15 +334,22 @@ def single_process_config(path: str) -> Config:
                                     "checkpoint.load=null"] + NO_PIPELINE)
 
 
+def check_consumed(path: str, meta: dict, cfg: Config) -> None:
+    """A checkpoint with optimizer state resumes only with the global batch size it was trained with
+    (the data position and the LR schedule count its iterations)."""
+    if meta.get("has_optimizer") and meta["consumed_samples"] != meta["iteration"] * cfg.training.global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {path} consumed {meta['consumed_samples']} samples in {meta['iteration']} iterations, but "
+            f"training.global_batch_size={cfg.training.global_batch_size}: resuming needs the same global batch size")
+
+
 def load_checkpoint(path: str, cfg: Config, state: ParallelState, model: torch.nn.Module,
                     optimizer: Optional[torch.optim.Optimizer]) -> dict:
     """Collective: load a verified checkpoint into `model` (and `optimizer`), resharding to this
     layout; restore RNG states if the layout is unchanged. Returns its meta.json."""
     meta = read_meta(path)
-    if optimizer is not None and meta["consumed_samples"] != meta["iteration"] * cfg.training.global_batch_size:
-        raise CheckpointError(
-            f"checkpoint {path} consumed {meta['consumed_samples']} samples in {meta['iteration']} iterations, but "
-            f"training.global_batch_size={cfg.training.global_batch_size}: resuming needs the same global batch size")
+    if optimizer is not None:
+        check_consumed(path, meta, cfg)
     saved = meta.get("balancers")
     if saved and saved["balancer"] == cfg.moe.balancer and saved["layout"] == layout_dict(state):
         _load_balancer_states(model, saved["layers"])  # vExpert slots as saved: entries follow them
@@ -415,10 +425,13 @@ def _check_checkpoint(cfg, world_size: int) -> None:
     ck = cfg.checkpoint
     if ck.save_interval < 0 or ck.keep_last < 0:
         raise ConfigError("checkpoint.save_interval and checkpoint.keep_last must be >= 0")
-    if ck.save_interval > 0 and not ck.dir:
-        raise ConfigError(f"checkpoint.save_interval={ck.save_interval} needs checkpoint.dir")
-    if ck.load == "auto" and not ck.dir:
-        raise ConfigError("checkpoint.load=auto needs checkpoint.dir")
+    tr = cfg.training
+    if tr.eval_only and ck.load is None:
+        raise ConfigError("training.eval_only=true evaluates a checkpoint: set checkpoint.load "
+                          "(auto: this run's newest, or a path)")
+    if tr.eval_only and (tr.eval_iters < 1 or tr.eval_interval < 1):
+        raise ConfigError(f"training.eval_only=true needs training.eval_iters >= 1 and training.eval_interval >= 1 "
+                          f"(the valid batches training evaluates; got {tr.eval_iters} and {tr.eval_interval})")
     if ck.load not in (None, "auto"):  # a path: a checkpoint or a root of iter_<k> checkpoints (names only)
         try:
             is_checkpoint_root(ck.load)

@@ -18,13 +18,14 @@ params per shard), which AdamW steps and which is copied back into the bf16 slic
 2. `GradSync(replicas=False)` averages over the compute groups (tp / esp) and sums the tied
    embedding's copies (training/grads.py);
 3. each flat gradient is reduce-scattered over its replica group and scaled by 1 / dp_size: this
-   rank's shard of the global-batch mean gradient (kind `grad_reduce_scatter`);
+   rank's shard of the global-batch mean gradient (kind `grad_reduce_scatter`; the tensor form,
+   `reduce_scatter_tensor`: NCCL's list form would first copy the whole buffer);
 4. the global grad norm adds each shard element once (over the replica group, the groups the
    parameters are sharded over, and ``pp``); clipping scales the shards;
 5. AdamW (torch's fused kernel) steps the shards (bf16: the fp32 master shards, then copied into the
    bf16 slice): element-wise, so the same numbers as a full update;
-6. each flat parameter buffer is all-gathered over its replica group (kind `param_all_gather`; bf16
-   runs gather bf16).
+6. each flat parameter buffer is all-gathered over its replica group, in place (kind
+   `param_all_gather`; `all_gather_into_tensor` with this rank's slice as input; bf16 runs gather bf16).
 
 Exact: step 3 sums the numbers the all-reduce sums; step 5 is element-wise.
 Memory: the moments take 8 bytes per parameter element / r (+ padding) instead of 8 (bf16: moments
@@ -34,6 +35,8 @@ Checkpoints (training/checkpoint.py): `sharded_states` cuts each parameter's par
 shard into boxes of the parameter's shape (`flat_range_boxes`), saved under the same global names
 and offsets as unsharded moments: any layout, sharded or not, loads any other.
 vExpert balancers (FlexMoE, EPLB) move AdamW state between ranks: refused by the config check.
+This module also holds the checks of `optimizer.overlap_grad_reduce` and its side channel on ``dp``
+(training/grads.py).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import torch
 
 from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.distributed import collectives
-from megatron_moe.distributed.parallel_state import Group, ParallelState
+from megatron_moe.distributed.parallel_state import SIDE_CHANNELS, Group, ParallelState
 from megatron_moe.model.precision import attach_main_grads
 from megatron_moe.training.grads import GradSync, REPLICA_GROUP, counts_in_norm, reduce_squared_norms
 from megatron_moe.config.errors import ConfigError
@@ -177,7 +180,7 @@ class DistributedOptimizer:
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, state: ParallelState):
         self.state = state
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.grad_sync = GradSync(named, state, replicas=False)
+        self.grad_sync = GradSync(named, state, bucket_bytes=int(cfg.grad_bucket_mb * 2 ** 20), replicas=False)
         self.flats = flat_groups(named, state)
         for flat in self.flats:
             flat.build()
@@ -197,6 +200,10 @@ class DistributedOptimizer:
         """AdamW's per-shard state (`optimizer.state` of a torch optimizer)."""
         return self.adam.state
 
+    def begin(self, micro_batches: int) -> None:
+        """GradSync's (the config check refuses `optimizer.overlap_grad_reduce` here: a no-op)."""
+        self.grad_sync.begin(micro_batches)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers; backward accumulates into the parameters' views of them."""
         for flat in self.flats:
@@ -208,11 +215,10 @@ class DistributedOptimizer:
     # -- gradients ----------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self) -> None:
-        """Steps 2-3: compute-group averages and tied sums, then this rank's reduce-scattered shard
-        (the full gradient buffer is scratch afterwards: the reduction may run in it)."""
+        """Steps 2-3: compute-group averages and tied sums, then this rank's reduce-scattered shard."""
         self.grad_sync.sync()
         for flat in self.flats:
-            shard = collectives.reduce_scatter(flat.grad, flat.group, kind=GRAD_KIND, overwrite=True)
+            shard = collectives.reduce_scatter(flat.grad, flat.group, kind=GRAD_KIND)
             flat.shard.grad = shard.mul_(1.0 / self.state.dp_size)
 
     @torch.no_grad()
@@ -259,7 +265,7 @@ class DistributedOptimizer:
             if flat.has_master:
                 flat.flat[flat.lo: flat.hi].copy_(flat.shard)
             if flat.group.size > 1:
-                collectives.all_gather(flat.flat[flat.lo: flat.hi].clone(), flat.group, kind=PARAM_KIND, out=flat.flat)
+                collectives.all_gather(flat.flat[flat.lo: flat.hi], flat.group, kind=PARAM_KIND, out=flat.flat)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def reset_state(self) -> None:
@@ -317,3 +323,22 @@ def _check_distributed(cfg, world_size: int) -> None:
     if cfg.optimizer.distributed and cfg.moe.balancer in ("flexmoe", "eplb"):
         raise ConfigError(f"optimizer.distributed=true does not work with moe.balancer={cfg.moe.balancer}: its "
                           "vExperts move AdamW state between ranks, which the distributed optimizer shards")
+
+
+@section_check("optimizer.overlap_grad_reduce")
+def _check_overlap(cfg, world_size: int) -> None:
+    opt = cfg.optimizer
+    if not opt.grad_bucket_mb > 0:
+        raise ConfigError(f"optimizer.grad_bucket_mb={opt.grad_bucket_mb} must be > 0")
+    if opt.overlap_grad_reduce and opt.distributed:
+        raise ConfigError("optimizer.overlap_grad_reduce=true does not work with optimizer.distributed=true: ZeRO-1 "
+                          "reduce-scatters one flat buffer per replica group after backward; turn one off")
+    if opt.overlap_grad_reduce and cfg.moe.lancet.defer_wgrad:
+        raise ConfigError("optimizer.overlap_grad_reduce=true does not work with moe.lancet.defer_wgrad=true: deferred "
+                          "weight gradients land after the hooks that start their buckets' reduction; turn one off")
+
+
+@SIDE_CHANNELS.register("grad_reduce")
+def _grad_reduce_channels(cfg) -> list:
+    """The dense gradient buckets' sums over ``dp`` during backward get their own communicator."""
+    return ["dp"] if cfg.optimizer.overlap_grad_reduce else []

@@ -3,9 +3,11 @@
 * Preemption / time limit: SIGTERM or SIGUSR1 (SLURM's `--signal=USR1@180` warning) on any rank
   sets a flag; after every iteration all ranks all-reduce (max) their flags over `world`
   (`COMM_STATS` kind "stop_flag", 4 bytes), so they all stop after the same iteration, save a
-  checkpoint and exit 0. Under the sbatch scripts, which name a file in `MEGATRON_MOE_REQUEUE_FILE`,
-  rank 0 then writes the checkpoint's path there when the same command resumes from it
-  (`checkpoint.load: auto`, iterations left): the job script requeues the job (`request_requeue`).
+  checkpoint and exit 0. SIGINT (Ctrl-C) does the same; a second SIGINT aborts at once without
+  saving: one line, exit 130 (`INTERRUPT_EXIT`). Under the sbatch scripts, which name a file in
+  `MEGATRON_MOE_REQUEUE_FILE`, rank 0 then writes the checkpoint's path there when the same
+  command resumes from it (`checkpoint.load: auto`, iterations left): the job script requeues the
+  job (`request_requeue`).
 * Non-finite loss or gradient: the global grad norm and the loss are identical on every rank, so
   every rank takes the same decision without communication: `training.on_nonfinite: skip` drops
   the update and counts it, `stop` raises `NonFiniteError` (exit code 3 from the entry point).
@@ -34,8 +36,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: incomplete, corrupt, unsafe, or not matching the model."""
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # repeats are ignored once stopping
+CONFIG_ERROR_EXIT = 2  # a config (or checkpoint) error: one line `config error: ...`
 NONFINITE_EXIT = 3
+INTERRUPT_EXIT = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 REQUEUE_FILE_ENV = "MEGATRON_MOE_REQUEUE_FILE"  # set by scripts/slurm/srun_pretrain.sh
 
 
@@ -43,12 +47,21 @@ class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient with `training.on_nonfinite: stop`."""
 
 
+def abort_on_interrupt(rank: int = 0) -> None:
+    """A second Ctrl-C: end the process at once (no save, no teardown), one line from rank 0."""
+    if rank == 0:
+        os.write(2, b"SIGINT again: aborted at once, nothing saved (resume from the last checkpoint)\n")
+    os._exit(INTERRUPT_EXIT)
+
+
 class StopRequest:
-    """Records SIGTERM/SIGUSR1 while installed (a context manager; old handlers come back on exit,
-    unless the ranks stopped on a stop signal: then the process is on its way out and ignores
-    further ones, so that a repeat cannot kill it while it tears down; Slurm's `scancel --signal`
-    on one task of a job array whose other tasks are pending delivers the signal again every few
-    seconds, and a time limit's SIGTERM follows its warning. SIG_IGN, not a Python handler:
+    """Records SIGTERM/SIGUSR1/SIGINT while installed (a context manager; old handlers come back on
+    exit, unless the ranks stopped on a stop signal: then the process is on its way out and ignores
+    further SIGTERM/SIGUSR1, so that a repeat cannot kill it while it tears down, while a second
+    SIGINT aborts it at once, as one during the rest of the iteration or the save does
+    (`abort_on_interrupt`: Ctrl-C twice means now). Slurm's `scancel --signal` on one task of a
+    job array whose other tasks are pending delivers the signal again every few seconds, and a
+    time limit's SIGTERM follows its warning. SIG_IGN, not a Python handler:
     Python's finalization restores the default action, which kills, for signals with a Python
     handler).
     Python delivers signals to the main thread only: elsewhere (a trainer driven from a worker
@@ -60,20 +73,30 @@ class StopRequest:
         self.stopping = False  # a stop signal reached some rank (`agreed`) or this one
         self._previous = {}
 
+    def _rank(self) -> int:
+        return self.state.rank if self.state is not None else 0
+
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and (self.stopping or self.signal_name is not None):
+            abort_on_interrupt(self._rank())
         self.signal_name = signal.Signals(signum).name
+
+    def _abort(self, signum, frame) -> None:
+        abort_on_interrupt(self._rank())
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is not threading.main_thread():
             return self
-        for sig in STOP_SIGNALS:
+        for sig in STOP_SIGNALS + (signal.SIGINT,):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        stopping = self.stopping or self.signal_name is not None
         for sig, handler in self._previous.items():
-            stopping = self.stopping or self.signal_name is not None
-            signal.signal(sig, signal.SIG_IGN if stopping else handler)
+            if stopping:
+                handler = self._abort if sig == signal.SIGINT else signal.SIG_IGN
+            signal.signal(sig, handler)
 
     def agreed(self) -> bool:
         """True on every rank iff a stop signal reached any rank (collective over `world`)."""

@@ -17,10 +17,27 @@ global-batch mean loss is the SUM over data-parallel ranks divided by dp_size:
 In bf16 runs every gradient here is the parameter's fp32 `main_grad` (model/precision.py,
 `grad_of`): sums, norms and clipping run in fp32, as Megatron-LM's with its fp32 grad buffers.
 
-Gradients are flattened into buckets (same groups, scale, dtype, device; at most `bucket_bytes`)
-so there is one all-reduce per bucket and group, not one per parameter. With the distributed
-optimizer (`replicas=False`) the replica sum over dp / edp and the 1/dp_size are left to its
-reduce-scatter (training/distributed_optimizer.py); the rest happens here.
+Gradients are flattened into buckets (same groups, scale, dtype, device; at most `bucket_bytes`,
+`optimizer.grad_bucket_mb`) so there is one all-reduce per bucket and group, not one per parameter.
+With the distributed optimizer (`replicas=False`) the replica sum over dp / edp and the 1/dp_size are
+left to its reduce-scatter (training/distributed_optimizer.py); the rest happens here.
+
+Overlap (`optimizer.overlap_grad_reduce`, Megatron-Core DDP's `overlap_grad_reduce`): a bucket's sum
+over ``dp`` starts, asynchronously on the dp side channel (its own communicator: NCCL's own stream),
+from a post-accumulate-grad hook as soon as each of its parameters has had its last gradient of the
+iteration: the one of the last of `begin(m)`'s m backward passes (gradient accumulation: earlier
+micro-batches only accumulate, Megatron's `no_sync`). Buckets start in one fixed order (the reverse
+of the parameters', about backward's), a bucket only after the ones before it, so every rank issues
+the same sequence on the communicator; `sync` starts those no hook started (a parameter that got no
+gradient), waits for each before the other groups' sums (tp / esp, the tied embedding's), the scale
+and the copy back, and so before the grad norm, clipping and the optimizer. The same buckets sum the
+same numbers: the result is the non-overlapped path's bit for bit. Buckets of expert parameters
+(`OUT_OF_BAND_KINDS`) are summed after backward as before: their weight gradients are added outside
+autograd (the grouped GEMM's dW, possibly once per batch part or smart-schedule step; replicas' Agg
+and vExpert slot sums at or after its end), so no hook sees their last gradient. A gradient hook or
+an out-of-band addition (`model/precision.py` `grad_buffer`) that comes after its bucket started
+raises instead of being lost. Lancet's deferred dW and the distributed optimizer refuse the option
+(training/distributed_optimizer.py).
 
 Global grad norm: each parameter counted exactly once. A param's squared norm is summed over the
 groups in ``p.meta.shards`` (its shards are disjoint pieces); replicated copies (over dp, edp, tp,
@@ -33,15 +50,16 @@ over ``pp`` (`reduce_squared_norms`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.model.precision import grad_dtype, grad_of, has_main_grad
+from megatron_moe.model.precision import fold_grad, grad_dtype, grad_of, has_main_grad
 
 BUCKET_BYTES = 32 << 20
+OUT_OF_BAND_KINDS = ("expert",)  # ParamMeta kinds whose gradients land outside autograd (module docstring)
 
 # the group whose ranks split a layer's compute, per param kind; a param not sharded over it is
 # replicated there and averaged over it
@@ -95,7 +113,10 @@ class _Bucket:
     params: List[torch.nn.Parameter]
     groups: Tuple[str, ...]  # all-reduce SUM over each, in order
     scale: float  # then multiply by this
+    first: int  # index of its first parameter (overlap: buckets start in decreasing order of it)
     nbytes: int = 0
+    waiting: int = 0  # overlap: parameters still to get their last gradient of the iteration
+    pending: Optional[collectives.Pending] = None  # overlap: its first group's sum, in flight
 
 
 def _sync_plan(p: torch.nn.Parameter, state: ParallelState, replicas: bool) -> Tuple[Tuple[str, ...], float]:
@@ -114,7 +135,7 @@ class GradSync:
     """Bucketed gradient all-reduce + grad-norm clipping for one model on one ParallelState."""
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState,
-                 bucket_bytes: int = BUCKET_BYTES, replicas: bool = True):
+                 bucket_bytes: int = BUCKET_BYTES, replicas: bool = True, overlap: bool = False):
         self.state = state
         self.params = []
         for name, p in named_params:
@@ -123,7 +144,7 @@ class GradSync:
                 self.params.append(p)
         open_buckets: Dict[tuple, _Bucket] = {}
         self.buckets: List[_Bucket] = []
-        for p in self.params:
+        for index, p in enumerate(self.params):
             groups, scale = _sync_plan(p, state, replicas)
             if not groups and scale == 1.0:
                 continue
@@ -132,11 +153,23 @@ class GradSync:
             nbytes = p.numel() * dtype.itemsize
             bucket = open_buckets.get(key)
             if bucket is None or bucket.nbytes + nbytes > bucket_bytes:
-                bucket = open_buckets[key] = _Bucket([], groups, scale)
+                bucket = open_buckets[key] = _Bucket([], groups, scale, index)
                 self.buckets.append(bucket)
             bucket.params.append(p)
             bucket.nbytes += nbytes
         self.buckets.sort(key=lambda b: "embedding" in b.groups)  # the tied embedding's sum last
+        # overlap: the buckets hooks start (their first sum over dp), in the order they start
+        self.launch_order = sorted([b for b in self.buckets if overlap and b.groups[:1] == ("dp",)
+                                    and b.params[0].meta.kind not in OUT_OF_BAND_KINDS], key=lambda b: -b.first)
+        self._bucket_of = {id(p): b for b in self.launch_order for p in b.params}
+        for b in self.launch_order:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._micro_batches = 0  # backward passes of the armed iteration (`begin`); 0 = hooks idle
+        self._counts: Dict[int, int] = {}  # id(param) -> gradients it got in the armed iteration
+        self._next = 0  # launch_order[_next] is the next bucket to start
+        self.sink = collectives.TimeSink()  # {"all_reduce": [exposed, total]} of the started buckets
+        self.started_in_backward = 0  # buckets the hooks started in the last synced iteration
         # grad-norm bookkeeping: params grouped by the (size > 1) groups they are sharded over
         self.norm_keys: Dict[Tuple[str, ...], List[torch.nn.Parameter]] = {}
         for p in self.params:
@@ -150,23 +183,74 @@ class GradSync:
             if p.grad is None and not has_main_grad(p):
                 p.grad = torch.zeros_like(p)
 
+    # -- overlap (module docstring) ------------------------------------------------------------------
+    def begin(self, micro_batches: int) -> None:
+        """Arm the hooks for an iteration of `micro_batches` backward passes (no-op without overlap)."""
+        self._micro_batches = micro_batches if self.launch_order else 0
+        self._counts = dict.fromkeys(self._bucket_of, 0)
+        self._next = 0
+        self.sink = collectives.TimeSink()
+        self._seal(False)
+        for b in self.launch_order:
+            b.waiting, b.pending = len(b.params), None
+
+    def _seal(self, started: bool, buckets: Optional[List[_Bucket]] = None) -> None:
+        """Mark the parameters of `buckets` (default: every hooked one) as in a started reduction:
+        model/precision.py `grad_buffer` refuses them while they are."""
+        for b in self.launch_order if buckets is None else buckets:
+            for p in b.params:
+                p.grad_reduce_started = started
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: count `p`'s gradient; start the buckets that are complete."""
+        if not self._micro_batches:
+            return
+        fold_grad(p)  # bf16: autograd's .grad into the main gradient first, whatever the hooks' order
+        count = self._counts[id(p)] = self._counts[id(p)] + 1
+        if count > self._micro_batches:
+            raise RuntimeError(f"a parameter {tuple(p.shape)} got {count} gradients in {self._micro_batches} backward "
+                               "passes: its bucket's reduction already started (optimizer.overlap_grad_reduce)")
+        if count == self._micro_batches:
+            self._bucket_of[id(p)].waiting -= 1
+            while self._next < len(self.launch_order) and self.launch_order[self._next].waiting == 0:
+                self._start(self.launch_order[self._next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        """Start `bucket`'s sum over its first group (dp) on the side channel; later additions raise."""
+        flat = torch.cat([grad_of(p).reshape(-1) for p in bucket.params])
+        bucket.pending = collectives.all_reduce_async(flat, self.state.groups[bucket.groups[0]], sink=self.sink,
+                                                      side=True)
+        self._seal(True, [bucket])
+        self._next += 1
+
     @torch.no_grad()
     def sync(self) -> None:
-        """Average gradients over replicas (see module docstring)."""
+        """Average gradients over replicas (module docstring); with overlap, start the buckets no hook
+        started, in the same order, and wait for each."""
         self._fill_missing_grads()
+        self.started_in_backward = self._next
+        if self._micro_batches:
+            while self._next < len(self.launch_order):
+                self._start(self.launch_order[self._next])
         for bucket in self.buckets:
             grads = [grad_of(p) for p in bucket.params]
             if not bucket.groups:
                 torch._foreach_mul_(grads, bucket.scale)
                 continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            for name in bucket.groups:
+            if bucket.pending is not None:  # started by a hook: its sum over dp is in flight
+                flat, groups = bucket.pending.wait(), bucket.groups[1:]
+                bucket.pending = None
+            else:
+                flat, groups = torch.cat([g.reshape(-1) for g in grads]), bucket.groups
+            for name in groups:
                 collectives.all_reduce(flat, self.state.groups[name])
             flat.mul_(bucket.scale)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
+        self._seal(False)
+        self._micro_batches = 0
 
     @torch.no_grad()
     def grad_norm(self) -> float:

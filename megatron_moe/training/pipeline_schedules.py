@@ -350,9 +350,10 @@ def _check_pipeline(cfg, world_size: int) -> None:
             raise ConfigError(f"parallel.pipeline_schedule=interleaved needs the {micro_batches} micro-batches per "
                               f"data-parallel rank (training.global_batch_size / (training.micro_batch_size * "
                               f"data parallel)) to be divisible by parallel.pipeline={par.pipeline}")
-    elif par.virtual_stages != 1:
-        raise ConfigError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pipeline_schedule=interleaved "
-                          f"(parallel.pipeline_schedule={par.pipeline_schedule} runs one model chunk per stage)")
+    elif par.virtual_stages != 1:  # a schedule set explicitly: null resolves to interleaved (config/load.py)
+        raise ConfigError(f"parallel.pipeline_schedule={par.pipeline_schedule} contradicts parallel.virtual_stages="
+                          f"{par.virtual_stages} ({par.pipeline_schedule} runs one model chunk per stage): leave "
+                          f"parallel.pipeline_schedule null (or interleaved), or set parallel.virtual_stages=1")
     chunks = par.pipeline * par.virtual_stages
     if par.pipeline_layers is None:
         if layers % chunks:

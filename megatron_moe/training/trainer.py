@@ -15,7 +15,9 @@ Pipeline stages (`parallel.pipeline` > 1): the micro-batches run through this ra
 configured schedule (training/pipeline.py); a stage reports its part of the loss sums (the last
 stage the lm and binary losses, every stage its MoE aux losses), summed over ``pp``. With one stage
 the schedule is the plain loop: forward j, backward j. `optimizer.distributed` shards AdamW's state
-(training/distributed_optimizer.py); it then syncs and clips the gradients itself.
+(training/distributed_optimizer.py); it then syncs and clips the gradients itself. With
+`optimizer.overlap_grad_reduce` the dense buckets' sums over dp start from gradient hooks during the
+last micro-batch's backward (`GradSync.begin`, training/grads.py).
 
 Precision (docs/precision.md): fp32, or bf16 as Megatron-LM's `--bf16`: bf16 parameters and
 activations (model/precision.py), fp32 main gradients accumulated over the micro-batches, AdamW on
@@ -24,6 +26,7 @@ or sharded with the moments under `optimizer.distributed`).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
@@ -36,23 +39,24 @@ from megatron_moe.data.batches import Batch, collate, global_batch, rank_micro_b
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.launch import default_device
 from megatron_moe.distributed.parallel_state import ParallelState
-from megatron_moe.training.completion import clear_complete_marker, write_complete_marker
+from megatron_moe.training.completion import clear_complete_marker, read_complete_marker, write_complete_marker
 from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
 from megatron_moe.training.grads import GradSync
-from megatron_moe.training.lr import LR_SCHEDULES
+from megatron_moe.training.lr import learning_rate
 from megatron_moe.moe.expert_bias import update_expert_biases
 from megatron_moe.moe.stats import IterationMoEStats
 from megatron_moe.moe.vexpert_moves import MOVE_KIND
 from megatron_moe.moe.schedules import A2A_KINDS
-from megatron_moe.training.failures import NonFiniteError, StopRequest, all_finite, request_requeue
+from megatron_moe.training.failures import CheckpointError, NonFiniteError, StopRequest, all_finite, request_requeue
 from megatron_moe.training.metrics import MetricsLogger, PhaseTimer, Record, layer_load_metrics, load_imbalance
 from megatron_moe.training.optimizer import build_optimizer
 from megatron_moe.training.pipeline import ChunkOutput, PipelineRunner
 from megatron_moe.training.pipeline_schedules import expected_bubble
+from megatron_moe.training.resume import check_resume, nothing_to_train
 from megatron_moe.model.precision import cast_params_
 from megatron_moe.model.transformer import is_moe_layer
 from megatron_moe.perf import timing
-from megatron_moe.perf.calibrate import resolve_hardware_profile
+from megatron_moe.training.calibrate import resolve_hardware_profile
 
 
 def training_device(cfg: Config) -> torch.device:
@@ -80,11 +84,12 @@ class Trainer:
         torch.manual_seed(tr.seed + state.dp.rank)  # same stream on TP ranks, distinct per data replica
         self.model = cast_params_(model_cls(cfg, state).to(self.device), tr.precision)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, state, compiled=tr.compile)
-        self.lr_schedule = LR_SCHEDULES.get(cfg.optimizer.lr_schedule)
         if isinstance(self.optimizer, DistributedOptimizer):
             self.grads = self.optimizer  # reduce-scatters into its shards, norm and clip over them
         else:
-            self.grads = GradSync(list(self.model.named_parameters()), state)
+            opt = cfg.optimizer  # overlap_grad_reduce: dense buckets summed over dp from gradient hooks
+            self.grads = GradSync(list(self.model.named_parameters()), state,
+                                  bucket_bytes=int(opt.grad_bucket_mb * 2 ** 20), overlap=opt.overlap_grad_reduce)
         self.train_data, self.valid_data = datasets(cfg)
         self.has_binary_head = self.model.has_binary_loss  # BERT's sentence-order / next-sentence head
         self.num_micro_batches = tr.global_batch_size // (tr.micro_batch_size * state.dp_size)  # per rank
@@ -99,6 +104,7 @@ class Trainer:
         self.routed_per_forward = None  # Long[dp, F, moe layers, E] of the last iteration (routing traces)
         self.vexpert_slots = None  # per MoE layer (index, Int[ep, V]): the vExpert placement after the last iteration
         self.latest_moe = None  # IterationMoEStats of the last train_step (step_details reduces it)
+        self.loaded_from = None  # the checkpoint `load_checkpoint` resumed
 
     # -- data ---------------------------------------------------------------------------------
     def micro_batches(self, dataset, index: int) -> List[Batch]:
@@ -148,7 +154,7 @@ class Trainer:
             if stats[mb]:
                 one = IterationMoEStats.of(stats[mb])  # after backward: Agg's times are in
                 moe = one if moe is None else moe + one
-        return sums, moe
+        return sums, moe.on_host() if moe is not None else None  # every layer's device counts in one read
 
     def moe_metrics(self, moe: Optional[IterationMoEStats]) -> Record:
         """Per-MoE-layer load metrics of the iteration (same on every rank); keeps the per-source
@@ -213,10 +219,11 @@ class Trainer:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""
         collectives.COMM_STATS.reset()
         step = timing.Stopwatch(self.device)  # wall time: synchronizes here (idle after the last step) and when read
-        lr = self.lr_schedule(self.cfg.optimizer, iteration, self.cfg.training.train_iters)
+        lr = learning_rate(self.cfg, iteration)  # warmup, decay until training.lr_decay_iters
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        self.grads.begin(self.num_micro_batches)  # overlap_grad_reduce: the last micro-batch's hooks start buckets
         self.timer.reset()
         sums, moe = self.forward_backward(iteration - 1)
         moe_layers = self.model.moe_layers()
@@ -313,13 +320,24 @@ class Trainer:
     def train(self) -> List[Record]:
         """Run `training.train_iters` iterations; return the logged records (on every rank). Rank 0
         writes `<run_dir>/complete.json` when the last one is done (not after a stop signal;
-        training/completion.py)."""
+        training/completion.py). `training.eval_only`: evaluate the loaded checkpoint instead
+        (`evaluate_checkpoint`). A resume with nothing left to train says so and leaves the run
+        directory as it is."""
         tr = self.cfg.training
         writer = self.state.rank == 0
+        if tr.eval_only:
+            return [self.evaluate_checkpoint()]
+        start = self.load_checkpoint()  # before touching the run directory: a refused resume leaves it alone
+        idle = nothing_to_train(self.cfg, self.loaded_from, start)
+        if idle is not None:
+            if writer:
+                print(idle, flush=True)
+                if read_complete_marker(tr.run_dir) is None:
+                    write_complete_marker(tr.run_dir, tr.train_iters)
+            return []
         if writer:
             save_config(self.cfg, os.path.join(tr.run_dir, "config.yaml"))
             clear_complete_marker(tr.run_dir)  # training/completion.py: written again when this run finishes
-        start = self.load_checkpoint()
         metrics = MetricsLogger(tr.run_dir, writer, self.cfg.logging.tensorboard, tr.train_iters, resume_from=start)
         metrics.print(f"{self.state.describe()} | {sum(p.numel() for p in self.model.parameters()):,} "
                       f"local parameters | {self.num_micro_batches} micro-batches per rank per iteration")
@@ -371,26 +389,47 @@ class Trainer:
                                           {"skipped_iterations": self.skipped_iterations})
 
     def load_checkpoint(self) -> int:
-        """Collective: load what `checkpoint.load` names (auto: the newest complete one, if any);
-        return the iteration to continue after (0 = fresh start)."""
+        """Collective: load what `checkpoint.load` names (auto: this run's newest complete one, if
+        any) once `check_resume` allows it (training/resume.py); return the iteration to continue
+        after (0 = fresh start)."""
         from megatron_moe.training import checkpoint
 
         path = checkpoint.load_path(self.cfg)
         if path is None:
             return 0
+        notes = check_resume(self.cfg, path)  # every rank: the same files, the same verdict
         meta = checkpoint.load_checkpoint(path, self.cfg, self.state, self.model, self.optimizer)
         self.skipped_iterations = meta.get("trainer", {}).get("skipped_iterations", 0)
-        if self.state.rank == 0:
-            print(f"checkpoint: resumed from {path} (iteration {meta['iteration']})", flush=True)
+        self.loaded_from = path
+        if self.state.rank == 0 and not nothing_to_train(self.cfg, path, meta["iteration"]):  # else `train` says so
+            print("\n".join([f"checkpoint: resumed from {path} (iteration {meta['iteration']})"] + notes), flush=True)
         return meta["iteration"]
+
+    def evaluate_checkpoint(self) -> Record:
+        """`training.eval_only` (Megatron's --skip-train): `evaluate` the checkpoint `checkpoint.load`
+        names, as training's evaluation after that iteration; rank 0 prints one line and appends
+        the record to `<run_dir>/eval.jsonl`."""
+        from megatron_moe.training.checkpoint import checkpoint_dir
+
+        iteration = self.load_checkpoint()
+        if self.loaded_from is None:
+            raise CheckpointError(f"training.eval_only: no complete checkpoint under {checkpoint_dir(self.cfg)}")
+        record = {"iteration": iteration, "checkpoint": self.loaded_from, **self.evaluate()}
+        if self.state.rank == 0:
+            print(f"eval-only: {self.loaded_from} (iteration {iteration}) | eval loss {record['eval_loss']:.4f} "
+                  f"ppl {record['eval_ppl']:.2f} | {self.cfg.training.eval_iters} valid batches", flush=True)
+            os.makedirs(self.cfg.training.run_dir, exist_ok=True)
+            with open(os.path.join(self.cfg.training.run_dir, "eval.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
 
     def stop_early(self, iteration: int, signal_name: Optional[str], saved: Optional[str],
                    metrics: MetricsLogger) -> None:
         """After a stop signal (training/failures.py): make sure a checkpoint of `iteration` exists
-        when checkpointing is configured (`saved`: the one the loop just wrote, if any); say so."""
-        if saved is None and self.cfg.checkpoint.dir:
+        (`saved`: the one the loop just wrote, if any); say so."""
+        if saved is None:
             saved = self.save_checkpoint(iteration)
-        outcome = f"checkpoint saved to {saved}" if saved else "no checkpoint written (checkpoint.dir is not set)"
+        outcome = f"checkpoint saved to {saved}"
         if self.state.rank == 0:
             requeue = request_requeue(saved, self.cfg.checkpoint.load, self.cfg.training.train_iters - iteration)
             outcome += f"; {requeue}" if requeue else ""

@@ -3,8 +3,9 @@
 #   srun_pretrain.sh ENTRY --config FILE [section.key=value ...]
 # starts ENTRY once per task of the allocation with srun: rank = SLURM_PROCID, one rank per CPU
 # task or per GPU. MASTER_ADDR/MASTER_PORT (first node, port from the job id) are exported unless
-# already set. A rank that exits non-zero ends the whole step (--kill-on-bad-exit). The config is
-# checked once for the job's task count first: a bad one is one line in the log, exit 2, no srun.
+# already set. A rank that exits non-zero ends the whole step (--kill-on-bad-exit). The config, and
+# the checkpoint it would resume, is checked once for the job's task count first: a bad one is one
+# line in the log, exit 2, no srun.
 # After a stop signal (the --signal=USR1 time-limit warning) that saved a checkpoint the job
 # resumes from (checkpoint.load=auto), the job requeues itself (scontrol requeue).
 set -euo pipefail

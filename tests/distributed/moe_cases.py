@@ -82,20 +82,23 @@ def run_layer(state, cfg: Config, full, xs, gs, balancer=None) -> Dict:
                 meta={n: (p.meta.kind, p.meta.local_slices(state)) for n, p in params.items()})
 
 
-def run_on_layouts(state, jobs, runs, setup) -> List[List]:
+def run_on_layouts(state, jobs, runs, setup, side_channels=()) -> List[List]:
     """For every layout (kwargs) in `jobs` and every item of `runs`, on this spawn's processes:
-    (run_layer's result, bytes by kind). `setup(run)` -> (case index, edit) where `edit(cfg, sub_state)`
-    sets the schedule/balancer keys and returns a Balancer instance (or None: the configured one)."""
+    (run_layer's result, with "calls" per kind/group added, bytes by kind/group). `setup(run)` ->
+    (case index, edit) where `edit(cfg, sub_state)` sets the schedule/balancer keys and returns a
+    Balancer instance (or None: the configured one). `side_channels`: as `ParallelState.build`'s."""
     out = []
     for kwargs in jobs:
-        sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank)
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank, side_channels)
         results = []
         for run in runs:
             index, edit = setup(run)
             cfg, full, xs, gs = case_data(index, sub.dp_size)
             balancer = edit(cfg, sub)
             C.COMM_STATS.reset()
-            results.append((run_layer(sub, cfg, full, xs, gs, balancer=balancer), C.COMM_STATS.snapshot()))
+            result = run_layer(sub, cfg, full, xs, gs, balancer=balancer)
+            result["calls"] = dict(C.COMM_STATS.calls)
+            results.append((result, C.COMM_STATS.snapshot()))
         out.append(results)
     return out
 

@@ -23,6 +23,13 @@ roundoff); the loss after 2 layers and a few steps carries a handful of them, mo
 out over the tokens: rel 8e-3 (2u) on the loss and aux loss. The grad norm sums squares of
 gradients, each a product of ~10 rounded factors through the layers: rel 3e-2 (8u). fp32 runs
 stay at the exactness tests' rel 1e-5 (tests/distributed/test_pipeline.py, test_grads.py).
+Errors below these tolerances are tested bit for bit elsewhere: the fp32 sum of micro-batches'
+gradients, the grad norm and clipping on the fp32 main gradients (tests/unit/test_precision.py),
+a moved expert's fp32 master (tests/distributed/test_vexperts.py).
+
+On GPUs (`make test-gpu`, `parallel.backend=nccl`): the same jobs on 4 GPUs, one process per GPU,
+against the single-process runs on one GPU (in the test process, as tests/distributed/test_pipeline.py
+does), with the same tolerances.
 """
 import pytest
 
@@ -30,7 +37,7 @@ from megatron_moe.config import load_config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.training.trainer import Trainer
 from tests.checkpoint_helpers import synthetic_datasets
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -87,17 +94,18 @@ def _close(got, want, label, loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=norm_rtol), (where, a["grad_norm"], b["grad_norm"])
 
 
-def test_bf16_layouts_train_like_one_bf16_process(tmp_path):
-    tmp = str(tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_layouts_train_like_one_bf16_process(tmp_path, backend):
+    tmp, on = str(tmp_path), [f"parallel.backend={backend}"]  # nccl: one process on this process's GPU
     one = ParallelState.single_process()
-    reference = _train(one, tmp, "ref-bf16", BF16)
+    reference = _train(one, tmp, "ref-bf16", BF16 + on)
     ckpt = [f"checkpoint.dir={tmp}/fp32-ckpt", f"checkpoint.save_interval={RESUME_AT}", "checkpoint.keep_last=0"]
-    fp32 = _train(one, tmp, "ref-fp32", ckpt)
+    fp32 = _train(one, tmp, "ref-fp32", ckpt + on)
     resume = [f"checkpoint.load={tmp}/fp32-ckpt/iter_{RESUME_AT:07d}"]
-    jobs = [(name, kwargs, BF16 + overrides) for name, (kwargs, overrides) in JOBS.items()]
+    jobs = [(name, kwargs, BF16 + on + overrides) for name, (kwargs, overrides) in JOBS.items()]
     jobs.append(("ep4-distributed-from-fp32", dict(expert=4),
-                 BF16 + ["parallel.expert=4", "optimizer.distributed=true"] + resume))
-    outputs = run_distributed(4, _jobs, jobs[0][1], (jobs, tmp), timeout=900)
+                 BF16 + on + ["parallel.expert=4", "optimizer.distributed=true"] + resume))
+    outputs = run_distributed(4, _jobs, jobs[0][1], (jobs, tmp), timeout=900, backend=backend)
     for i, (name, _, _) in enumerate(jobs):
         for rank, out in enumerate(outputs):
             want = reference if i < len(JOBS) else fp32[RESUME_AT:]

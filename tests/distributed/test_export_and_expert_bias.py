@@ -68,9 +68,9 @@ EXPORTS = {  # name: (family, config, extra overrides, layout)
 BIAS = ["model.num_layers=2", "moe.expert_bias_rate=0.01", "moe.num_experts=16"]
 BIAS_LAYOUTS = {"ep2": dict(expert=2), "tp2ep2": TP2_EP2, "pp2ep2": PP2_EP2,
                 "ep4-eplb-nodes": dict(expert=4, ranks_per_node=2)}  # 2 nodes of 2 EP ranks
-# EPLB's hierarchical plan (moe.eplb.hierarchical auto: on under group-limited routing) packs the
-# router's 4 groups onto the 2 nodes, re-planned after every step
-BIAS_EXTRA = {"ep4-eplb-nodes": EPLB}
+# EPLB's hierarchical plan packs the router's 4 groups onto the 2 nodes, re-planned after every step
+# (hierarchical: true; `auto` plans globally here: a token's 2 groups may span both nodes anyway)
+BIAS_EXTRA = {"ep4-eplb-nodes": EPLB + ["moe.eplb.hierarchical=true"]}
 
 
 def _config(tmp, name, path, overrides, layout):

@@ -20,7 +20,7 @@ import torch
 from megatron_moe.config import load_config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.training.grads import GradSync
 from tests.distributed import harness
 from tests.distributed.harness import run_distributed

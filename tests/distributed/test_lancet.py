@@ -94,7 +94,7 @@ def _calibrated_budget(state, layout, cache):
     start-up calibration (timings stubbed) gives Alg. 1 a finite all-to-all budget. -> (the
     scheduler's all-to-all estimate, dW run by each backward fill, dW time left for the end)."""
     from megatron_moe.model.gpt import GPTMoEModel
-    from megatron_moe.perf import calibrate
+    from megatron_moe.training import calibrate
 
     sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout), state.rank)
     cfg = _model_config(layout, ["moe.lancet.defer_wgrad=true", f"perf.calibration_cache={cache}"])

@@ -40,9 +40,9 @@ def _check_eq1_volumes(forward, backward, layout: RankLayout):
         "all_gather/esp": fp32 * blm * esp,  # AG_ESP(BLM x N_ESP): ESP-AllGather of the tokens
         "all_to_all/ep": 2 * fp32 * etm * esp,  # 2 x A2A_EP(ETM x N_ESP): dispatch + return
         "all_reduce/esp": fp32 * etm * esp,  # AR_ESP(ETM x N_ESP): partial sums of the ESP shards
-        # routing metadata, beside Eq. (1): token counts, expert ids and combine weights of the
-        # ESP group's tokens; per-expert counts of every EP rank (the all-to-all-v splits)
-        "all_gather_routing/esp": i64 * esp + (i64 + fp32) * B * S * k * esp,
+        # routing metadata, beside Eq. (1): expert ids and combine weights of the ESP group's
+        # tokens (their counts are the config's); per-expert counts of every EP rank (the splits)
+        "all_gather_routing/esp": (i64 + fp32) * B * S * k * esp,
         "all_gather_counts/ep": i64 * E * ep,
     }
     # backward: ESP-Split -> all-gather of dy; both all-to-alls reversed; ESP-AllReduce -> none

@@ -147,7 +147,8 @@ def _expected_volumes(schedule: str, saa: bool, layout: RankLayout):
         for d in (fwd, bwd):
             d["all_to_all/ep_esp"] = a2a
             d["all_to_all_p2p/ep_esp"] = 4 * (r * esp - r // ep) * H
-        fwd["all_gather_routing/tp"] = 8 * tp * (ep + r)  # peers' rows per EP rank + send orders
+        if (ep * esp) % tp:  # a TP group spans ep_esp groups: peers' rows per EP rank + send orders
+            fwd["all_gather_routing/tp"] = 8 * tp * (ep + r)
     return [{key: v for key, v in d.items() if key.split("/")[1] != "tp" or tp > 1} for d in (fwd, bwd)]
 
 

@@ -21,13 +21,16 @@
 3. The whole GPT-MoE through the trainer (node_dedup with Lancet's partitioned forward, deferred
    dW and Pro-Prophet's block-wise scheduler; node_dedup with full recomputation, EPLB and capacity
    drops): loss, aux loss, grad norm and every synced gradient equal one process.
+
+On GPUs (`make test-gpu`) the same spawn runs on NCCL, one process per GPU (4 GPUs), against the
+same CPU references: every test is parametrized over `BACKENDS` by the module's `backend` fixture.
 """
 import pytest
 import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, run_distributed
 from tests.distributed.moe_cases import (CASES, E, H, case_data, check_against_reference, check_results, reference_of,
                                          run_layer)
 from tests.distributed.test_grads import _model_config, _trainer_grads
@@ -94,10 +97,15 @@ def _run(state, profile):
     return layers, counted, trainer
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
+def spawned(tmp_path_factory, backend):
     profile = _fastermoe_profile(str(tmp_path_factory.mktemp("node_dedup") / "profile.yaml"))
-    return run_distributed(4, _run, EP4, args=(profile,), timeout=600)
+    return run_distributed(4, _run, EP4, args=(profile,), timeout=600, backend=backend)
 
 
 def test_layer_equals_reference(spawned):

@@ -11,6 +11,10 @@ Agg bytes of each rank must be (for `moe.balancer` fastermoe and proprophet, who
 on the counts: summed over each EP group, replicas x shard parameters x 4 bytes each way)
   trans: sum over replicated experts it owns of (replicas) x shard parameters x 4 bytes
   agg:   (replicas it holds) x shard parameters x 4 bytes
+all of it on `ep`'s side channel (group "ep_side", built as `SIDE_CHANNELS` asks: issue #44),
+none on `ep`; the calls there per rank (fixed policies): a broadcast (Trans) and a reduce (Agg)
+per parameter tensor of every expert replicated on every EP rank, and one point-to-point batch
+each way on the ranks that own or hold another replica.
 """
 from dataclasses import replace
 
@@ -21,6 +25,7 @@ from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import load_profile, save_profile
+from megatron_moe.moe.replicas import AGG_KIND, TRANS_KIND
 from tests.distributed.harness import BACKENDS, per_world_spawner
 from tests.distributed.moe_cases import CASES, E, FFN, H, check_against_reference, run_on_layouts
 from tests.distributed.test_moe_parm import TESTBED_B
@@ -81,7 +86,7 @@ def _run(state, jobs, profile):
 
         return index, edit
 
-    return run_on_layouts(state, jobs, [(p, run) for p in POLICIES for run in RUNS], setup)
+    return run_on_layouts(state, jobs, [(p, run) for p in POLICIES for run in RUNS], setup, side_channels=["ep"])
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +114,10 @@ def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, backe
         label = f"{policy} {schedule} saa={saa}"
         check_against_reference([out[i][0] for out in outputs], index, layout, label)
         elements, replicated = _shard_params(index, layout), POLICIES[policy][1]
+        for rank, out in enumerate(outputs):  # Trans / Agg on the side channel only: no byte, no call on ep
+            on_ep = {key for counter in (out[i][1], out[i][0]["calls"]) for key in counter
+                     if key in (f"{TRANS_KIND}/ep", f"{AGG_KIND}/ep")}
+            assert not on_ep, (label, rank, on_ep)
         if replicated is None:  # fastermoe / proprophet: bytes = replicas x shard parameters, whichever they are
             for group in layout.groups("ep"):
                 stats = [outputs[r][i][0]["stats"] for r in group]
@@ -116,8 +125,9 @@ def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, backe
                 assert replicas >= 1 and all(s.replicas == replicas for s in stats), label
                 if policy == "fastermoe":  # exactly one shadow: the most popular expert on every other EP rank
                     assert replicas == layout.expert - 1, label
-                assert sum(outputs[r][i][1].get("trans/ep", 0) for r in group) == replicas * elements * 4, label
-                assert sum(outputs[r][i][1].get("agg/ep", 0) for r in group) == replicas * elements * 4, label
+                for kind in (TRANS_KIND, AGG_KIND):
+                    assert sum(outputs[r][i][1].get(f"{kind}/ep_side", 0) for r in group) == replicas * elements * 4, \
+                        (label, kind)
             continue
         holders = {e: range(layout.expert) if where == "all" else [layout.expert - 1] for e, where in replicated.items()}
         for rank, out in enumerate(outputs):
@@ -125,7 +135,13 @@ def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, backe
             owner = {e: e // (E // layout.expert) for e in replicated}
             sent = sum(len([q for q in holders[e] if q != owner[e]]) for e in replicated if owner[e] == ep_rank)
             held = sum(1 for e in replicated if ep_rank in holders[e] and owner[e] != ep_rank)
-            assert nbytes.get("trans/ep", 0) == sent * elements * 4, (label, rank, nbytes)
-            assert nbytes.get("agg/ep", 0) == held * elements * 4, (label, rank, nbytes)
+            assert nbytes.get("trans/ep_side", 0) == sent * elements * 4, (label, rank, nbytes)
+            assert nbytes.get("agg/ep_side", 0) == held * elements * 4, (label, rank, nbytes)
+            members = {e: {owner[e], *holders[e]} for e in replicated}
+            everywhere = sum(1 for e in replicated if len(members[e]) == layout.expert)  # broadcast / reduce
+            pairs = any(len(members[e]) < layout.expert and ep_rank in members[e] for e in replicated)
+            calls = everywhere * (4 if CASES[index][3] else 2) + pairs  # w1, w2 (b1, b2); one p2p batch
+            assert {k: out[i][0]["calls"].get(f"{k}/ep_side", 0) for k in (TRANS_KIND, AGG_KIND)} == \
+                {TRANS_KIND: calls, AGG_KIND: calls}, (label, rank, out[i][0]["calls"])
             assert out[i][0]["stats"].replicas == sum(len([q for q in holders[e] if q != owner[e]])
                                                       for e in replicated), label

@@ -28,9 +28,9 @@ import torch
 from megatron_moe.config import load_config
 from megatron_moe.config.schema import Config
 from megatron_moe.distributed import collectives as C
-from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+from megatron_moe.distributed.parallel_state import ParallelState, RankLayout, side_channels
 from megatron_moe.model.gpt import GPTMoEModel
-from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.schedules.base import even_split
 from megatron_moe.perf.hardware import load_profile
@@ -84,7 +84,8 @@ def _step(layer, x, grad):
 def _real(state, jobs):
     out = []
     for kwargs in jobs:
-        sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank)
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank,
+                                  ["ep"])  # as the trainer's for fastermoe / proprophet (SIDE_CHANNELS)
         coords = sub.layout.coords(sub.rank)
         gen = torch.Generator().manual_seed(7 + coords["dp"])  # every data-parallel rank its own tokens
         x, grad = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
@@ -180,7 +181,8 @@ PIPELINE_RUNS = {  # name: (RankLayout kwargs, overrides on PIPELINE_COMMON)
         "moe.saa=true", "moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1"]),
     "one-stage-ep2-bf16-flexmoe-smart": (dict(expert=2), [
         "parallel.expert=2", "model.num_layers=2", "training.precision=bf16", "moe.balancer=flexmoe",
-        "moe.flexmoe.interval=1", "moe.flexmoe.threshold=1.0", "moe.smart_schedule=true"]),
+        "moe.flexmoe.interval=1", "moe.flexmoe.threshold=1.0", "moe.smart_schedule=true",
+        "moe.flexmoe.amortize_steps=100"]),  # moves nearly free, so that this short run moves experts
 }
 
 
@@ -193,8 +195,10 @@ def _train_pipeline(state, tmp: str):
     """Every run's per-iteration counters on this rank: {run: [(bytes, inter-node bytes)]}."""
     out = {}
     for name, (layout, _) in PIPELINE_RUNS.items():
-        sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout, **NODE), state.rank)
-        trainer = Trainer(_pipeline_config(name, tmp), sub, GPTMoEModel, synthetic_datasets)
+        cfg = _pipeline_config(name, tmp)
+        sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout, **NODE), state.rank,
+                                  side_channels(cfg))  # as the trainer (training/entry.py)
+        trainer = Trainer(cfg, sub, GPTMoEModel, synthetic_datasets)
         counters, step = [], trainer.train_step
 
         def train_step(iteration, step=step, counters=counters):

@@ -11,7 +11,7 @@ from megatron_moe.config.validate import validate_config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
-from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           vocab_parallel_cross_entropy)
 from tests.distributed.harness import run_distributed

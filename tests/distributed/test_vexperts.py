@@ -18,22 +18,36 @@ single-process reference.
    messages on the same groups) runs while it is in flight (`moe.flexmoe.moves: best_effort`), and
    only then is it completed: weights and both moments arrive bit for bit, with the bytes of the
    formula.
+3. In bf16 (`training.precision: bf16`, MixedPrecisionAdamW) the same round carries each moved
+   expert's fp32 master bit for bit, with the bf16 weights and both moments: after two steps the
+   masters hold bits below bf16's, so a master re-made from the bf16 weight (`weight.float()`) on
+   the destination would differ.
+4. With edp > 1 (expert=2 on 4 ranks: two copies of every expert) items 1-3 hold per ep group, and
+   a decision sees the window averaged over the edp groups: FlexMoE's and EPLB's one all-reduce of
+   the host-built window, on edp's device (issue #44 item 1: NCCL has no CPU tensors).
+
+Every test runs on gloo and, with `make test-gpu`, on NCCL (one process per GPU).
 """
+import numpy as np
 import pytest
 import torch
 
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from megatron_moe.model.param_meta import init_from_seed_
+from megatron_moe.tensor_parallel.param_meta import init_from_seed_
+from megatron_moe.model.precision import cast_params_
 from megatron_moe.moe.experts import Experts
 from megatron_moe.moe.layer import MoELayer
 from megatron_moe.moe.vexpert_moves import MovesInFlight, entry_tensor, reshape_storage, state_entries
 from megatron_moe.moe.vexperts import expert_rows
+from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
 from tests.distributed.harness import BACKENDS, device, per_world_spawner
 from tests.distributed.moe_cases import B, E, FP32, H, S, case_config, case_data, check_results, reference
 from tests.distributed.test_moe_parm import TESTBED_B
 
-LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (4, dict(tensor=2, expert=2, expert_shard=2))]
+LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (4, dict(tensor=2, expert=2, expert_shard=2)),
+           (4, dict(expert=2))]  # edp 2
+IDS = ["ep2", "ep4", "tp2-ep2-esp2", "ep2-edp2"]
 TABLES = {  # slots per EP rank (E = 4); -1 = free
     2: [[0, 1, 3], [2, 3, 3]],  # expert 3 on both ranks, twice on rank 1 (one stored row)
     4: [[0, 1], [1, 0], [2, 1], [3, -1]],  # expert 1 on 3 ranks, 0 on 2; rank 3 holds no shared one
@@ -96,22 +110,32 @@ def layer_run(sub: ParallelState, run, token_dispatch: str = "per_copy"):
                 stack_bytes=sum(p.numel() * p.element_size() for p in layer.experts.stacks()), one_expert=one_expert)
 
 
-def _issue_moves(sub: ParallelState):
+def _issue_moves(sub: ParallelState, bf16: bool = False):
     """Two AdamW steps on identical per-expert gradients, then a round of moves to MOVES[ep],
-    issued (in flight) -> (experts, optimizer, the round, the state before it per expert)."""
+    issued (in flight) -> (experts, optimizer, the round, the state before it per expert).
+    `bf16`: bf16 stacks stepped by MixedPrecisionAdamW (fp32 masters, gradients in `main_grad`)."""
     cfg = case_config(1)  # swiglu + biases: every kind of expert stack
     experts = Experts(cfg, sub, slots_per_rank=len(TABLES[sub.ep_size][0]))
     for name, p in experts.named_parameters():
         init_from_seed_(p, name, 7, sub)
     experts.to(device())
-    optimizer = torch.optim.AdamW(experts.parameters(), lr=0.1, weight_decay=0.1, fused=True)
+    if bf16:
+        cast_params_(experts, "bf16")
+        optimizer = MixedPrecisionAdamW([{"params": list(experts.parameters()), "weight_decay": 0.1}], lr=0.1,
+                                        betas=(0.9, 0.999), eps=1e-8)
+    else:
+        optimizer = torch.optim.AdamW(experts.parameters(), lr=0.1, weight_decay=0.1, fused=True)
     rows = expert_rows(experts.slot_table)
     for step in range(2):
         for name, p in experts.named_parameters():
             full = torch.randn((E,) + tuple(p.meta.global_shape[1:]),
                                generator=torch.Generator().manual_seed(step * 10 + len(name)))
             slices = p.meta.local_slices(sub)
-            p.grad = torch.stack([full[e][slices[1:]] for _, e in rows]).to(p.device)
+            grad = torch.stack([full[e][slices[1:]] for _, e in rows]).to(p.device)
+            if bf16:
+                p.main_grad.copy_(grad)
+            else:
+                p.grad = grad
         optimizer.step()
     entries = state_entries(experts.stacks(), optimizer)
     before = {e: [entry_tensor(x, optimizer)[k].clone() for x in entries] for k, e in rows}
@@ -126,7 +150,21 @@ def _complete_moves(experts, optimizer, moves, before):
     after = {e: [entry_tensor(x, optimizer)[k].clone() for x in entries] for k, e in expert_rows(experts.slot_table)}
     width = sum(entry_tensor(x, optimizer)[0].numel() for x in entries)
     return dict(before=before, after=after, crossed=moves.crossed, width=width, bytes=sent,
-                rows=[p.shape[0] for p in experts.stacks()], slots=experts.slot_table.slots.tolist())
+                rows=[p.shape[0] for p in experts.stacks()], slots=experts.slot_table.slots.tolist(),
+                keys=[key for _, key in entries])
+
+
+def _decision_window(sub: ParallelState):
+    """Item 4: `after_optimizer_step` on a decision iteration, with a window of this rank's own
+    (whole numbers: the sums are exact) -> (that window, the one `decide` was given)."""
+    cfg, _ = _slot_config(0, "baseline", False, False, sub.ep_size)
+    balancer = MoELayer(cfg, sub, layer_index=0).balancer
+    window = (np.arange(balancer.window.size).reshape(balancer.window.shape) + 1) * (sub.rank + 1.0)
+    balancer.window[:] = window
+    seen = []
+    balancer.decide = lambda w: seen.append(w.copy())  # None: no moves
+    balancer.after_optimizer_step(balancer.interval, None)
+    return window, seen[0]
 
 
 def _run(state, jobs):
@@ -136,7 +174,9 @@ def _run(state, jobs):
         sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank, side_channels=["ep"])
         in_flight = _issue_moves(sub)  # best-effort: every layer run below happens while it is in flight
         layers = [layer_run(sub, run) for run in RUNS]
-        out.append(dict(layers=layers, move=_complete_moves(*in_flight), side_channel=sub.ep.side_handle is not None))
+        out.append(dict(layers=layers, move=_complete_moves(*in_flight), side_channel=sub.ep.side_handle is not None,
+                        move_bf16=_complete_moves(*_issue_moves(sub, bf16=True)),
+                        window=_decision_window(sub) if sub.edp_size > 1 else None))
     return out
 
 
@@ -147,7 +187,7 @@ def spawned():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
+@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=IDS)
 def test_slot_placements_equal_reference_under_every_schedule(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
     outputs = spawned(world, backend)[str(layout_kwargs)]
@@ -203,7 +243,7 @@ def check_slot_results(results, layout: RankLayout, index: int, label: str) -> N
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=["ep2", "ep4", "tp2-ep2-esp2"])
+@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=IDS)
 def test_moves_in_flight_carry_weights_and_adam_moments_exactly(world, layout_kwargs, backend, spawned):
     layout = RankLayout(world_size=world, **layout_kwargs)
     outputs = spawned(world, backend)[str(layout_kwargs)]
@@ -232,3 +272,49 @@ def test_moves_in_flight_carry_weights_and_adam_moments_exactly(world, layout_kw
         assert all(m["crossed"] == len(gains) for m in moves)  # every rank counts them all
         for q, move in enumerate(moves):
             assert move["bytes"] == sent[q] * move["width"] * 4, (q, move["bytes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world,layout_kwargs", LAYOUTS, ids=IDS)
+def test_bf16_moves_carry_the_fp32_masters_bit_for_bit(world, layout_kwargs, backend, spawned):
+    """Item 3 of the module docstring: every expert a rank holds after the round (gained by Expand
+    or Migrate, or kept) has its source's bf16 weights, moments and fp32 master bit for bit; each
+    master carries bits below bf16's (so `weight.float()` in its place would fail), and rounds to
+    its weight."""
+    layout = RankLayout(world_size=world, **layout_kwargs)
+    outputs = spawned(world, backend)[str(layout_kwargs)]
+    new, per_rank = MOVES[layout.expert], E // layout.expert
+    for group in layout.groups("ep"):
+        moves = [outputs[r]["move_bf16"] for r in group]
+        keys = moves[0]["keys"]
+        assert keys == [None] * 4 + ["exp_avg", "exp_avg_sq", "master"] * 4  # w1 w2 b1 b2, their state
+        weight_of = {i: keys.index(None) + (i - 4) // 3 for i, key in enumerate(keys) if key == "master"}
+        source = {e: tensors for move in moves for e, tensors in move["before"].items()}  # one holder each
+        gained = 0
+        for q, move in enumerate(moves):
+            assert move["slots"] == new
+            for e, tensors in move["after"].items():
+                gained += e // per_rank != q
+                for i, (got, want) in enumerate(zip(tensors, source[e])):
+                    assert got.dtype == want.dtype and torch.equal(got, want), (q, e, keys[i])
+                for i, w in weight_of.items():
+                    master, weight = tensors[i], tensors[w]
+                    assert master.dtype == torch.float32 and weight.dtype == torch.bfloat16
+                    assert torch.equal(master.bfloat16(), weight) and not torch.equal(master, weight.float()), (q, e)
+        assert gained == moves[0]["crossed"] > 0  # the round moved experts (Expand and Migrate)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decision_window_is_the_mean_over_edp(backend, spawned):
+    """Item 4: every rank decides on the mean of its edp group's windows (bit for bit)."""
+    world, layout_kwargs = LAYOUTS[IDS.index("ep2-edp2")]
+    layout = RankLayout(world_size=world, **layout_kwargs)
+    assert layout.expert_data_parallel == 2
+    outputs = spawned(world, backend)[str(layout_kwargs)]
+    for rank, out in enumerate(outputs):
+        group = layout.group_of("edp", rank)
+        want = sum(outputs[q]["window"][0] for q in group) / len(group)
+        assert np.array_equal(out["window"][1], want), (rank, out["window"][1], want)
+        assert not np.array_equal(want, out["window"][0])  # the ranks' windows differ: a real mean

@@ -80,7 +80,7 @@ def worker_pid(launcher_pid, rank):
 
 
 @pytest.mark.parametrize("nproc,sig,rank,checkpoint", [(2, signal.SIGUSR1, 1, True), (1, signal.SIGTERM, 0, False)],
-                         ids=["usr1-to-rank1-of-2-checkpoint", "term-1proc-no-checkpoint"])
+                         ids=["usr1-to-rank1-of-2-checkpoint", "term-1proc-default-checkpoint-dir"])
 def test_stop_signal_finishes_iteration_and_exits_0(tmp_path, nproc, sig, rank, checkpoint):
     run_dir = tmp_path / "run"
     ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}"] if checkpoint else []
@@ -102,12 +102,11 @@ def test_stop_signal_finishes_iteration_and_exits_0(tmp_path, nproc, sig, rank, 
     assert 2 <= stopped < 500 and logged[-1]["iteration"] == stopped  # the last iteration is logged
     assert not (run_dir / "complete.json").exists()  # stopped early: no completion marker (docs/sweeps.md)
     assert all(r["skipped_iterations"] == 0 for r in logged)
-    if checkpoint:
-        saved = re.fullmatch(r"checkpoint saved to (\S+)", m.group(3).strip())
-        assert saved and os.path.isdir(saved.group(1)), m.group(3)
-        assert read_meta(saved.group(1))["iteration"] == stopped
-    else:
-        assert m.group(3) == "no checkpoint written (checkpoint.dir is not set)"
+    saved = re.fullmatch(r"checkpoint saved to (\S+)", m.group(3).strip())
+    assert saved and os.path.isdir(saved.group(1)), m.group(3)
+    assert read_meta(saved.group(1))["iteration"] == stopped
+    # without checkpoint.dir: the run's own <run_dir>/checkpoints (issue #43)
+    assert Path(saved.group(1)).parent == (tmp_path / "ckpt" if checkpoint else run_dir / "checkpoints")
 
 
 def test_killed_rank_ends_the_run_within_60s_naming_it(tmp_path):

@@ -28,7 +28,7 @@ EP2 = ["parallel.expert=2"]
 LANCET = ["moe.lancet.defer_wgrad=true", "moe.lancet.partitions=2"]
 RUNS = {  # name: (overrides, TensorBoard tags the options add, MoE layers with vExpert placements)
     "pp2-interleaved-zero1-fastermoe-recompute": (
-        PP2 + ["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4",
+        PP2 + ["parallel.virtual_stages=2", "model.num_layers=4",  # infers pipeline_schedule=interleaved
                "optimizer.distributed=true", "moe.balancer=fastermoe", "training.recompute=full"] + PROFILE,
         ["pipeline_bubble", "pipeline_bubble_ideal", "pipeline_compute_ms/rank1/backward", "comm_bytes/pipeline",
          "optimizer_state_mb/rank1", "moe_replicas/layer3",
@@ -60,6 +60,8 @@ def test_shipped_logging_defaults_with_every_option(name, tmp_path):
     records, stdout = train(2, SHORT + overrides, tmp_path)
     assert [r["iteration"] for r in records] == [1, 3], stdout[-2000:]
     assert "eval_loss" in records[-1]  # the last iteration evaluates (shipped eval_iters)
+    if "parallel.virtual_stages=2" in overrides:  # the run directory's config names the schedule that ran
+        assert "pipeline_schedule: interleaved" in (tmp_path / "config.yaml").read_text()
     assert "not written" not in stdout  # no field of a record was left out of TensorBoard
     files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 1, files

@@ -14,7 +14,7 @@ import torch
 
 from megatron_moe.config import load_config, validate_config
 from megatron_moe.perf.alpha_beta import fit_alpha_beta
-from megatron_moe.perf.calibrate import WIDTH
+from megatron_moe.training.calibrate import WIDTH
 from megatron_moe.perf.hardware import OPS, load_profile
 from tests.doc_blocks import run_doc_command
 
@@ -104,7 +104,7 @@ def test_benchmark_balancer_rows_fix_skew_exactly():
         memory = row["memory_per_rank"]
         assert memory["param_bytes"] == [experts * expert_params * 4 + router] * 2, memory
         assert memory["adam_state_bytes"] == [2 * b for b in memory["param_bytes"]]
-    assert sum(shadow["memory_per_rank"]["replica_param_bytes"]) == shadow["bytes_all_ranks"]["agg/ep"] > 0
+    assert sum(shadow["memory_per_rank"]["replica_param_bytes"]) == shadow["bytes_all_ranks"]["agg/ep_side"] > 0
     assert none["memory_per_rank"]["replica_param_bytes"] == [0, 0] == eplb["memory_per_rank"]["replica_param_bytes"]
     flex = rows["baseline+flexmoe:best_effort"]
     assert flex["max_abs_diff_vs_baseline"] < 1e-5
@@ -114,8 +114,8 @@ def test_benchmark_balancer_rows_fix_skew_exactly():
     assert none["balance_ratio"] > 1.5 and none["replicas"] == 0 and none["trans_bytes"] == 0  # skewed
     assert shadow["balance_ratio"] < none["balance_ratio"] and shadow["replicas"] >= 1
     assert shadow["max_abs_diff_vs_baseline"] < 1e-5
-    assert shadow["bytes_all_ranks"]["trans/ep"] == shadow["replicas"] * expert_params * 4
-    assert shadow["bytes_all_ranks"]["agg/ep"] == shadow["replicas"] * expert_params * 4
+    assert shadow["bytes_all_ranks"]["trans/ep_side"] == shadow["replicas"] * expert_params * 4
+    assert shadow["bytes_all_ranks"]["agg/ep_side"] == shadow["replicas"] * expert_params * 4
 
 
 def test_benchmark_deepspeed_row_computes_the_same_layer():

@@ -6,7 +6,9 @@ with best-effort moves (`moe.flexmoe.moves: best_effort`, issue #30): each round
 the optimizer step until the layer's next forward, and the checkpoint is taken while one is (it
 lands first). The expert=4 and tensor=2 runs also defer weight gradients and partition the forward
 into 2 batch parts (Lancet, `moe.lancet.defer_wgrad` / `partitions`, issue #12), which must not
-change a number either, and report backward all-to-all time that is partly hidden."""
+change a number either, and report backward all-to-all time that is partly hidden. Any placement
+gives these numbers: the placements FlexMoE and EPLB reach, and their balance, are asserted on a
+fixed routing trace in tests/unit/test_balancer_placements.py."""
 
 import pytest
 

@@ -1,9 +1,9 @@
 """The profile fit `tools/profile_comm.py` (and start-up calibration) runs: on synthetic timings
-with known alpha and beta per op it must recover them (perf/calibrate.py, Parm §V-A)."""
+with known alpha and beta per op it must recover them (training/calibrate.py, Parm §V-A)."""
 import pytest
 
 from megatron_moe.perf.alpha_beta import fit_alpha_beta
-from megatron_moe.perf.calibrate import fit_profile, geometric_sizes
+from megatron_moe.training.calibrate import fit_profile, geometric_sizes
 from megatron_moe.perf.hardware import OPS, load_profile, save_profile
 
 TRUE = {"mp_allgather": (5e-3, 1.2e-8), "ep_esp_alltoall": (3.7e-3, 6.3e-9), "saa": (7.5e-3, 6.6e-8),

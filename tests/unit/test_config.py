@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from megatron_moe.config import ConfigError, load_config, to_yaml, validate_config
+from megatron_moe.config import Config, ConfigError, load_config, save_config, to_yaml, validate_config
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -42,7 +42,9 @@ def test_unknown_keys_and_wrong_types(overrides, needle):
     # pipeline stages (model/pipeline_stages.py, training/pipeline_schedules.py)
     (["parallel.pipeline=2", "model.num_layers=3"], 2, ["model.num_layers=3", "parallel.pipeline"]),
     (["parallel.pipeline=2"], 3, ["parallel.pipeline"]),
-    (["parallel.pipeline=2", "parallel.virtual_stages=2"], 2, ["parallel.virtual_stages=2", "parallel.pipeline_schedule"]),
+    # an explicit non-interleaved schedule with virtual stages: a contradiction (alone, virtual_stages infers interleaved)
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=1f1b", "parallel.virtual_stages=2", "model.num_layers=4"], 2,
+     ["parallel.pipeline_schedule=1f1b contradicts parallel.virtual_stages=2"]),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved"], 2, ["parallel.pipeline_schedule=interleaved",
                                                                           "parallel.virtual_stages"]),
     (["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4"], 1,
@@ -89,6 +91,27 @@ def test_valid_layouts_pass():
                            "model.num_layers=4"]),
                       (2, ["parallel.pipeline=2", "model.num_layers=3", "parallel.pipeline_layers=[1,2]"])]:
         validate_config(load_config("configs/gpt_moe_tiny.yaml", ov), world)
+
+
+def test_virtual_stages_infer_the_interleaved_schedule(tmp_path):
+    """`parallel.pipeline_schedule` null (the default) resolves from `parallel.virtual_stages`, as Megatron
+    infers interleaving from the virtual pipeline size: > 1 = interleaved, else 1f1b; an explicit schedule
+    is kept (1f1b with virtual stages is refused: test_impossible_combinations). The config a run writes to
+    its run directory (the trainer's `save_config`) names the schedule that runs."""
+    vs2 = ["parallel.pipeline=2", "parallel.virtual_stages=2", "model.num_layers=4"]
+    cfg = load_config("configs/gpt_moe_tiny.yaml", vs2)
+    assert cfg.parallel.pipeline_schedule == "interleaved"
+    validate_config(cfg, 2)
+    assert load_config("configs/gpt_moe_tiny.yaml", vs2 + ["parallel.pipeline_schedule=interleaved"]) == cfg
+    assert load_config(None, ["parallel.pipeline=2"]).parallel.pipeline_schedule == "1f1b"
+    assert load_config(None, ["parallel.virtual_stages=1", "parallel.pipeline_schedule=null"]).parallel.pipeline_schedule == "1f1b"
+    built = Config()  # built in code, not loaded: validate_config resolves it
+    built.parallel.pipeline, built.parallel.virtual_stages, built.model.num_layers = 2, 2, 4
+    validate_config(built, 2)
+    assert built.parallel.pipeline_schedule == "interleaved"
+    save_config(cfg, str(tmp_path / "run" / "config.yaml"))
+    assert "pipeline_schedule: interleaved" in (tmp_path / "run" / "config.yaml").read_text()
+    assert load_config(str(tmp_path / "run" / "config.yaml")) == cfg
 
 
 def test_checkpoint_load_path_is_checked_before_any_process_group(tmp_path):

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_moe.config import load_config
+from megatron_moe.config.validate import validate_config
+from megatron_moe.techniques.eplb.eplb import planned_ranks_per_node
 from megatron_moe.techniques.eplb.eplb_plan import (balance_ratio, balanced_packing, max_rank_load, rank_loads,
                                                   rebalance, replicate_experts)
 
@@ -19,6 +22,23 @@ def test_replicate_experts_by_hand():
     # capped at 2 replicas: after [2, 1, 1] expert 0 is full, the next slot goes to expert 1
     assert replicate_experts(np.array([6.0, 3.0, 1.0]), 5, max_replicas=2).tolist() == [2, 2, 1]
     assert replicate_experts(np.array([0.0, 0.0]), 3).tolist() == [2, 1]  # all ties: lowest id
+
+
+def test_replicate_by_load_per_replica_not_total_load():
+    """DeepSeek EPLB's replicate step gives each redundant slot to the expert with the highest load /
+    replica count; by total load the hottest expert would take every slot up to its cap."""
+    # [6, 5, 4], 3 extra slots. Per replica: 6 -> e0 (now 3 per replica); 5 > 4 > 3 -> e1 (2.5);
+    # 4 > 3 > 2.5 -> e2 -> counts [2, 2, 2]. By total load: e0, e0, e0 -> [4, 1, 1] (unbounded) and
+    # [3, 2, 1] at 3 replicas at most (e0, e0, then e1).
+    load = np.array([6.0, 5, 4])
+    assert replicate_experts(load, 6).tolist() == [2, 2, 2]
+    assert replicate_experts(load, 6, max_replicas=3).tolist() == [2, 2, 2]
+    # the flat plan on 3 ranks x 2 slots (at most 3 replicas): replicas 3, 3, 2.5, 2.5, 2, 2 -> e0 3 to
+    # r0, e0 3 to r1, e1 2.5 to r2 (empty), e1 2.5 to r0 (r0 = r1 = 3, lower pack), e2 2 to r2 (2.5 <
+    # 3), e2 2 to r1: ranks 5.5, 5, 4.5. By total load, [3, 2, 1]: replicas 4, 2.5, 2.5, 2, 2, 2 -> 6.
+    slot_to_expert, count = rebalance(load, num_ranks=3, slots_per_rank=2)
+    assert count.tolist() == [2, 2, 2] and slot_to_expert.tolist() == [[0, 1], [0, 2], [1, 2]]
+    assert rank_loads(load, slot_to_expert, count).tolist() == [5.5, 5.0, 4.5]
 
 
 def test_balanced_packing_by_hand():
@@ -188,6 +208,63 @@ def test_router_groups_on_nodes_against_single_expert_packing():
     assert spans["groups"].max() == group_topk and spans["groups"].mean() <= 1.95
     assert spans["single"].max() == nodes and spans["single"].mean() >= 3.6
     assert ratios["single"] <= 1.02 and ratios["global"] <= 1.015 and 1.17 <= ratios["groups"] <= 1.19
+
+
+def _auto_decision(group_topk, top_k=4, groups=4, experts=16, ep=4, per_node=2):
+    """`moe.eplb.hierarchical: auto` on a validated config: EP ranks per node of the hierarchical
+    plan, or None for the global plan (ep ranks over nodes of `per_node`)."""
+    cfg = load_config(None, [f"moe.num_experts={experts}", f"moe.top_k={top_k}", f"moe.router_groups={groups}",
+                             f"moe.router_group_topk={group_topk}", "moe.balancer=eplb",
+                             f"moe.eplb.redundant_slots={ep}", f"parallel.expert={ep}",
+                             f"parallel.ranks_per_node={per_node}", "training.global_batch_size=32"])
+    validate_config(cfg, ep)
+    return planned_ranks_per_node(cfg, ep, per_node)
+
+
+def test_auto_plans_globally_when_groups_limit_no_token_to_fewer_nodes():
+    """Issue 42 item 5: 16 experts in 4 router groups, router_group_topk 4 (= router_groups: routing
+    limits nothing), top-4, 2 nodes x 2 EP ranks, +4 slots (5 per rank). `auto` must plan globally:
+    the hierarchical plan only coarsens the packing. 200 layers' loads, each 4096 rows drawn from a
+    Zipf(1.0) popularity over a random expert order (seed 0). Measured mean balance (max / mean rank
+    load): 1.0110 global against 1.1448 hierarchical (which `auto` gave before the fix)."""
+    auto = _auto_decision(group_topk=4)
+    assert auto is None
+    assert _auto_decision(group_topk=2) is None  # 2 groups per token on 2 nodes: still both nodes
+    assert _auto_decision(group_topk=2, groups=8, experts=32, ep=8, per_node=2) == 2  # 2 of 4 nodes
+    assert _auto_decision(group_topk=2, top_k=2, groups=8, experts=32, ep=8, per_node=2) is None  # top-2: <= 2 anyway
+    rng = np.random.default_rng(0)
+    popularity = 1.0 / np.arange(1, 17)
+    ratios = {"auto": [], "hierarchical": []}
+    for _ in range(200):
+        load = rng.multinomial(4096, rng.permutation(popularity / popularity.sum())).astype(float)
+        ratios["auto"].append(balance_ratio(load, *rebalance(load, 4, 5, auto, 4)))
+        ratios["hierarchical"].append(balance_ratio(load, *rebalance(load, 4, 5, 2, 4)))
+    assert statistics.mean(ratios["auto"]) == pytest.approx(1.0110, abs=5e-4)
+    assert statistics.mean(ratios["hierarchical"]) == pytest.approx(1.1448, abs=5e-4)
+
+
+def test_auto_stays_hierarchical_when_routing_limits_nodes():
+    """The same shape with router_group_topk 1 (< min(top_k 4, 2 nodes)): a token's experts lie in
+    one group, so `auto` plans hierarchically and every token's experts sit in one node; the global
+    plan spreads each group over both nodes. 4096 tokens routed by the router's own group-limited
+    top-4 (sigmoid, Zipf(1.0)-skewed logits). Measured: tokens whose experts no single node holds:
+    0 of 4096 hierarchical, 4096 of 4096 global; balance 1.178 against 1.000 (the price of locality)."""
+    from megatron_moe.moe.router import top_k_gating
+
+    per_node = _auto_decision(group_topk=1)
+    assert per_node == 2
+    gen = torch.Generator().manual_seed(0)
+    logits = -torch.log(torch.arange(1.0, 17))[torch.randperm(16, generator=gen)] + torch.randn(4096, 16, generator=gen)
+    _, expert_ids, _ = top_k_gating(logits, 4, score_function="sigmoid", groups=4, group_topk=1)
+    load = np.bincount(expert_ids.ravel().numpy(), minlength=16).astype(float)
+    plans = {"auto": rebalance(load, 4, 5, per_node, 4), "global": rebalance(load, 4, 5)}
+    crossing = {}
+    for name, (slot_to_expert, _) in plans.items():
+        nodes = [set(slot_to_expert[n * 2:(n + 1) * 2].ravel().tolist()) for n in range(2)]
+        crossing[name] = sum(not any(set(row) <= held for held in nodes) for row in expert_ids.tolist())
+    assert crossing == {"auto": 0, "global": 4096}
+    assert balance_ratio(load, *plans["auto"]) == pytest.approx(1.178, abs=1e-3)
+    assert balance_ratio(load, *plans["global"]) == pytest.approx(1.0, abs=1e-3)
 
 
 def _brute_force(load, num_ranks, slots_per_rank):

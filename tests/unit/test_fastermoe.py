@@ -166,3 +166,40 @@ def test_fastmoe_release_walks_expert_counts():
     T = torch.tensor([[5, 12, 1, 1], [5, 12, 2, 1]])  # totals [10, 24, 3, 2]
     assert fastmoe_release_shadow(T, release) == [0, 1]
     assert fastmoe_release_shadow(T, release, min_shadow=3) == [0, 1, 2]
+
+
+def test_default_eq8_is_the_printed_formula(tmp_path):
+    """The default `moe.fastermoe.eq8` is FasterMoE's Eq. 8 as printed (§4.1):
+    Lat_shadow(r, B') = max_w {3 * 4 B'_w alpha H^2 / P} + 2 r * 2 alpha H^2 / W_net, no token term.
+    Worked by hand on the paper's GeLU MLP, alpha = 2, H = 4 (hidden 4, expert FFN 8, no bias):
+    F = 4 alpha H^2 = 2 * 4 * 8 * 2 = 128 FLOPs per row, Q = 2 alpha H^2 = 4 * (8 + 8) = 64; 1 / P =
+    1e-4 s per FLOP, 1 / W_net = 1e-3 s per element (tokens and parameters). r = 2, B'_max = 10:
+        printed     3 * 128 * 10 * 1e-4 + 2 * 2 * 64 * 1e-3            = 0.384 + 0.256 = 0.640 s
+        token_term  0.640 + 4 * 10 * 4 * 1e-3 (Eq. 7's token term)     = 0.640 + 0.160 = 0.800 s
+    and the decision of test_the_printed_eq8_counts_the_remaining_token_traffic_as_saved: T = [[5, 2],
+    [5, 20]], Lat_imbl(22) = 0.8448 + 0.352 = 1.1968 s; shadowing expert 1 (B'_max 20) costs 0.768 +
+    0.128 = 0.896 s printed (shadow), 0.896 + 0.320 = 1.216 s with the token term (do not)."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from megatron_moe.config import load_config
+    from megatron_moe.techniques.fastermoe.fastermoe import FasterMoE
+
+    profile = tmp_path / "eq8.yaml"
+    profile.write_text(yaml.safe_dump({"name": "eq8", "p2p": {"alpha": 0.0, "beta": 1e-3},
+                                       "broadcast": {"alpha": 0.0, "beta": 1e-3},
+                                       "expert_compute": {"alpha": 0.0, "beta": 1e-4}}))
+    cfg = load_config(None, ["model.hidden_size=4", "moe.expert_ffn_hidden_size=8", "model.bias=false",
+                             "moe.num_experts=2", "moe.balancer=fastermoe", f"perf.hardware_profile={profile}"])
+    assert cfg.moe.fastermoe.eq8 == "printed"  # the schema default
+    balancer = FasterMoE(cfg, SimpleNamespace(ep_size=2, esp_size=1))
+    assert (balancer.cost.flops_per_row, balancer.cost.params_per_expert, balancer.cost.eq8) == (128, 64, "printed")
+    assert balancer.cost.lat_shadow(2, 10) == pytest.approx(0.640)
+    assert balancer.cost.lat_imbl(22) == pytest.approx(1.1968)
+    assert balancer.cost.lat_shadow(1, 20) == pytest.approx(0.896)
+    assert balancer.plan(torch.tensor([[5, 2], [5, 20]]), [0, 1]).replicas == ((0,), (1, 0))  # expert 1 shadowed
+    plain = ShadowCostModel(128, 64, 4, 1e-4, 1e-3, 1e-3)  # the cost model's own default
+    assert plain.eq8 == "printed" and plain.lat_shadow(2, 10) == pytest.approx(0.640)
+    kept = ShadowCostModel(128, 64, 4, 1e-4, 1e-3, 1e-3, eq8="token_term")
+    assert kept.lat_shadow(2, 10) == pytest.approx(0.800) and kept.lat_shadow(1, 20) == pytest.approx(1.216)

@@ -3,9 +3,11 @@ model, the Alg. 2 policy maker and Alg. 1 scheduler on worked examples, and plac
 import numpy as np
 import pytest
 
+from megatron_moe.techniques.flexmoe.flexmoe import primitive_counts
 from megatron_moe.techniques.flexmoe.flexmoe_plan import (Expand, FlexCostModel, Migrate, Shrink, apply_ops,
-                                                     balance_ratio, flexible_routing, make_scheduling_plan,
-                                                     propose_migration, rank_tokens, schedule, vexpert_counts)
+                                                          balance_ratio, flexible_routing, make_scheduling_plan,
+                                                          net_primitives, propose_migration, rank_tokens, schedule,
+                                                          vexpert_counts)
 from tests.dense_reference import dense_flexible_routing, dense_rank_times, scatter_pairs
 
 # Fig. 1b: GPU 1 routes 6 tokens to expert 1 and 3 to expert N, GPU N routes 4 and 5 (experts 0, 1
@@ -184,6 +186,27 @@ def test_migrate_consolidates_replicas_when_sync_costs():
                           state_params_per_expert=300, amortize_steps=3)
     assert schedule(counts, slots, cheap, threshold=1.1) == [Migrate(0, 0, 0, 1, 1)]
     assert apply_ops(slots, [Migrate(0, 0, 0, 1, 1)]).tolist() == [[1, 1], [0, 0]]
+
+
+def test_an_expand_a_later_shrink_undoes_counts_as_neither():
+    # Alg. 2 as printed, tokens [8, 2, 15] (expert 1 and 2 on GPU 1, expert 0 on GPU 0): plan 1
+    # expands e0 = 2 onto GPU 0 ([15.5, 9.5]); plan 2 expands e0 = 0 into GPU 1's free slot
+    # ([11.5, 13.5]); plan 3 (cap [4, 2, 7.5]) shrinks e1 = 0 there and expands 2 into the slot
+    # ([13, 12]). Expert 0 on GPU 1 came and went within one decision: no primitive, no transfer
+    slots, counts = np.array([[-1, -1, 0], [2, 1, -1]]), np.array([[2, 2, 6], [6, 0, 9]])
+    ops = schedule(counts, slots, COMPUTE_ONLY, threshold=1.0)
+    assert ops == [Expand(2, 1, 0, 0), Expand(0, 0, 1, 2), Shrink(0, 1, 2), Expand(2, 1, 1, 2)]
+    assert net_primitives(ops) == [Expand(2, 1, 0, 0), Expand(2, 1, 1, 2)]
+    assert primitive_counts(ops) == {"expand": 2}  # what FlexMoE reports (vexpert_moves, vexpert_ops_total)
+    # one transfer (expert 2 to GPU 0; GPU 1's second vExpert of 2 shares its weights), not two
+    moving = FlexCostModel(seconds_per_token=1.0, seconds_per_param_sent=1.0, state_params_per_expert=1)
+    assert moving.adjust_time(ops) == 1.0
+    # either order cancels; another GPU or expert does not; two Expands and one Shrink leave one
+    assert net_primitives([Shrink(0, 1, 0), Expand(0, 0, 1, 0)]) == []
+    assert net_primitives([Expand(0, 0, 1, 2), Shrink(0, 0, 1)]) == [Expand(0, 0, 1, 2), Shrink(0, 0, 1)]
+    assert net_primitives([Expand(0, 0, 1, 2), Shrink(1, 1, 2)]) == [Expand(0, 0, 1, 2), Shrink(1, 1, 2)]
+    assert net_primitives([Expand(0, 0, 1, 1), Expand(0, 0, 1, 2), Shrink(0, 1, 1)]) == [Expand(0, 0, 1, 2)]
+    assert primitive_counts([Migrate(0, 0, 0, 1, 1), Shrink(0, 1, 0), Expand(0, 0, 1, 0)]) == {"migrate": 1}
 
 
 def _random_slots(rng, num_ranks, slots_per_rank, num_experts):

@@ -1,5 +1,5 @@
-"""The package's shape (issue #28, docs/design.md §0): no import cycles, the dependency floors, no
-two modules with one name, no file over 500 lines.
+"""The package's shape (issues #28, #42, docs/design.md §0): no import cycles, the floors of
+docs/design.md §0.2 read from that page, no two modules with one name, no file over 500 lines.
 
 A static pass over every module's `import` statements (top level and inside functions;
 `from . import x` resolved; `from pkg import name` counts `pkg.name` when it is a module). Importing
@@ -12,7 +12,7 @@ floor, which no module imports statically.
 import ast
 import os
 from collections import defaultdict
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
@@ -20,17 +20,24 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "megatron_moe")
 PACKAGE = "megatron_moe"
 MAX_LINES = 500
 
-# floor -> module prefixes, bottom first: a module imports only from its own floor and below
-FLOORS = [
-    ("config", ("config",)),
-    ("measurement and data basics", ("perf.timing", "perf.alpha_beta", "perf.hardware", "perf.machine", "perf.host_memory", "data")),
-    ("distributed", ("distributed", "perf.rank_timing")),
-    ("tensor_parallel / model", ("tensor_parallel", "model")),
-    ("moe core", ("moe",)),
-    ("techniques", ("techniques", "perf.calibrate")),
-    ("training", ("training", "inference")),
-    ("tools", ("sim", "sweep", "convert", "plugins", "")),  # "": the package's lazy __init__
-]
+DESIGN = os.path.join(ROOT, "..", "docs", "design.md")
+
+
+def read_floors(path: str = DESIGN) -> List[Tuple[str, ...]]:
+    """docs/design.md §0.2's picture, bottom floor first: on each line, the names before the first
+    two spaces (`moe/`, `inference.py`, `__init__.py`) are one floor's packages."""
+    with open(path) as f:
+        text = f.read()
+    block = text.split("### 0.2 The floors", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    floors = []
+    for line in block.splitlines():
+        head = line.split("  ", 1)[0].strip()
+        if head and not head.startswith("↓"):
+            floors.append(tuple(name[:-1] if name.endswith("/") else name for name in head.split()))
+    return floors[::-1]
+
+
+FLOORS = read_floors()
 
 
 def module_files(root: str = ROOT) -> Dict[str, str]:
@@ -106,17 +113,26 @@ def find_cycle(edges: Dict[str, Set[str]]) -> Optional[List[str]]:
     return None
 
 
-def floor_of(module: str) -> int:
-    """Index in FLOORS of the longest prefix that matches `module` (without the package name); a
-    package whose modules lie on several floors (perf/) is on the lowest of them."""
-    name = module[len(PACKAGE) + 1:] if module != PACKAGE else ""
-    best, index = -1, None
-    for i, (_, prefixes) in enumerate(FLOORS):
-        for prefix in prefixes:
-            if (name == prefix or name.startswith(prefix + ".") or prefix == "") and len(prefix) > best:
-                best, index = len(prefix), i
-    below = [i for i, (_, prefixes) in enumerate(FLOORS) for p in prefixes if name and p.startswith(name + ".")]
-    return min(below) if below else index
+def package_of(module: str) -> str:
+    """The map's name for a module's package: its top folder (`moe`), or the root module itself
+    (`inference.py`; the package's own `__init__` is `__init__.py`)."""
+    if module == PACKAGE:
+        return "__init__.py"
+    top = module.split(".")[1]
+    return top if os.path.isdir(os.path.join(ROOT, top)) else top + ".py"
+
+
+def floor_of(module: str, floors: List[Tuple[str, ...]] = FLOORS) -> int:
+    """Index in `floors` (bottom first) of the floor that lists the module's package."""
+    package = package_of(module)
+    return next(i for i, names in enumerate(floors) if package in names)
+
+
+def imports_not_below(edges: Dict[str, Set[str]], floors: List[Tuple[str, ...]] = FLOORS) -> List[str]:
+    """Every import of a package on the importer's own floor or above it, as 'a (pkg) imports b (pkg)'."""
+    return [f"{short(a)} ({package_of(a)}) imports {short(b)} ({package_of(b)})"
+            for a in sorted(edges) for b in sorted(edges[a])
+            if package_of(a) != package_of(b) and floor_of(b, floors) >= floor_of(a, floors)]
 
 
 def short(module: str) -> str:
@@ -135,11 +151,37 @@ def test_no_import_cycles(graph):
     assert cycle is None, "import cycle: " + " -> ".join(short(m) for m in cycle)
 
 
+def test_the_map_names_every_package(graph):
+    modules, _ = graph
+    mapped = {name for names in FLOORS for name in names}
+    present = {package_of(m) for m in modules}
+    assert not present - mapped, f"packages missing from docs/design.md §0.2: {sorted(present - mapped)}"
+    assert not mapped - present, f"docs/design.md §0.2 names packages that do not exist: {sorted(mapped - present)}"
+
+
 def test_floors(graph):
+    """A package imports only packages on lower floors: not its floor's neighbours, not above."""
     _, edges = graph
-    upward = [f"{short(a)} ({FLOORS[floor_of(a)][0]}) imports {short(b)} ({FLOORS[floor_of(b)][0]})"
-              for a in sorted(edges) for b in sorted(edges[a]) if floor_of(b) > floor_of(a)]
-    assert not upward, "imports from a higher floor:\n" + "\n".join(upward)
+    wrong = imports_not_below(edges)
+    assert not wrong, "imports of a package not below (docs/design.md §0.2):\n" + "\n".join(wrong)
+
+
+def test_floor_checks_catch_a_same_floor_and_an_upward_import(tmp_path):
+    """The checker itself: the picture parses bottom first; an import across one line or upwards
+    is a violation, downwards and inside a package are not. The edges are the 2026-11 layout's:
+    perf/calibrate.py imported techniques/, tensor_parallel/ imported model/param_meta.py."""
+    page = tmp_path / "design.md"
+    page.write_text("### 0.2 The floors\n\n```text\ninference.py  a root module\n   ↓\ntechniques/  t\n   ↓\n"
+                    "model/ tensor_parallel/  one line\n   ↓\nperf/  p\n```\n")
+    floors = read_floors(str(page))
+    assert floors == [("perf",), ("model", "tensor_parallel"), ("techniques",), ("inference.py",)]
+    m = PACKAGE + "."
+    edges = {m + "perf.calibrate": {m + "techniques.parm.parm", m + "perf.timing"},
+             m + "tensor_parallel.layers": {m + "model.param_meta"},
+             m + "inference": {m + "techniques", m + "perf.timing"}, m + "perf.timing": set()}
+    assert imports_not_below(edges, floors) == [
+        "perf.calibrate (perf) imports techniques.parm.parm (techniques)",
+        "tensor_parallel.layers (tensor_parallel) imports model.param_meta (model)"]
 
 
 def test_plugins_are_loaded_by_name_only(graph):
@@ -149,7 +191,7 @@ def test_plugins_are_loaded_by_name_only(graph):
     modules, edges = graph
     for name in registry.PLUGINS:
         assert name in modules, f"registry.PLUGINS names {name}, which does not exist"
-        assert floor_of(name) == len(FLOORS) - 1
+        assert floor_of(name) == len(FLOORS) - 1, f"{short(name)} is not on the top floor"
         importers = [short(m) for m in edges if name in edges[m]]
         assert not importers, f"{short(name)} is imported statically by {importers}"
 

@@ -12,7 +12,7 @@ from megatron_moe.config.schema import Config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.attention import SelfAttention
 from megatron_moe.model.gpt import GPTMoEModel
-from megatron_moe.model.param_meta import init_model_from_seed_
+from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import is_moe_layer
 from megatron_moe.tensor_parallel import DropoutRNG, vocab_parallel_cross_entropy
 
@@ -380,3 +380,32 @@ def test_core_attention_bf16_backward(causal):
         assert (node is None or "FlashRecomputed" not in type(node).__name__) == plain
     long = torch.randn(1, 1, ca.MAX_RECOMPUTE_SEQ + 1, 8, dtype=torch.bfloat16, requires_grad=True)
     assert "FlashRecomputed" not in type(ca.core_attention(long, long, long, causal).grad_fn).__name__
+
+
+def test_attention_dropout_path_scores_in_fp32():
+    """With attention dropout in training (the explicit-softmax path of model/attention.py), bf16 q, k
+    give fp32 scores q k^T / sqrt(d), as `core_attention`'s: rounded to bf16 before the fp32 softmax,
+    dq is off by ~7e-2 (rel) at a logit std of ~36, against ~8e-3 in fp32 (docs/precision.md).
+    Reference: float64 of the same bf16 inputs with the same dropout mask (the generator replayed)."""
+    cfg = _config(MIXTRAL, dropout=0.1)
+    rng = DropoutRNG(5, SINGLE)
+    attn = SelfAttention(cfg.model, SINGLE, rng, output_std=0.02).train()  # causal, head_dim 8
+    b, heads, s, d, p = 2, 4, 64, attn.head_dim, cfg.model.dropout
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(b, heads, s, d, generator=gen).bfloat16() for _ in range(4))
+    q = (q.float() * 36).bfloat16()  # logits q.k / sqrt(d) with a std of ~36
+    generator = rng.generator("sharded", q.device)
+    start = generator.get_state()
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    y = attn._attend(*x, None)  # [b, heads, s, d] bf16
+    got = torch.autograd.grad(y, x, dy)
+    generator.set_state(start)
+    keep = rng.dropout(torch.ones(b, heads, s, s), p, "sharded") > 0  # the mask the forward drew
+    x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    scores = (x64[0] @ x64[1].transpose(-2, -1) * d ** -0.5).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(),
+                                                                        float("-inf"))
+    y64 = (torch.softmax(scores, -1) * keep / (1 - p)) @ x64[2]
+    want = torch.autograd.grad(y64, x64, dy.double())
+    errors = {name: float((g.double() - w).norm() / w.norm()) for name, g, w in zip("qkv", got, want)}
+    assert all(g.dtype == torch.bfloat16 for g in got) and errors["v"] < 1e-2, errors
+    assert errors["q"] < 2e-2 and errors["k"] < 2e-2, errors  # bf16 scores: 7e-2 and more

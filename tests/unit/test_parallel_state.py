@@ -120,3 +120,38 @@ def test_ep_node_uneven_nodes_partition_every_ep_group(kwargs, per_node):
         assert len([p for p in pieces if p[0] in g]) == len({r // per_node for r in g}), g
     if kwargs == dict(world_size=12, expert=4):
         assert pieces == [[0, 1, 2], [3], [4, 5], [6, 7], [8], [9, 10, 11]]
+
+
+@pytest.mark.parametrize("kwargs,side", [
+    (dict(world_size=8, expert=4), ["ep"]),  # tp = esp = pp = embedding = 1: those kinds create none
+    (dict(world_size=8, tensor=2, expert=2, expert_shard=2, ranks_per_node=2), ["ep", "esp"]),  # ep_node all 1
+    (dict(world_size=6, expert=3, ranks_per_node=4), []),  # ep_node {0,1,2} {3} {4,5}: only the {3} skipped
+])
+def test_build_creates_no_process_group_of_one_rank(monkeypatch, kwargs, side):
+    """Issue #44 item 7: `new_group` is called for every group of more than one rank, and for no
+    group of one (side channels included), in the same order on every rank (the calls depend on the
+    layout only); each rank's groups of one carry no handle nor device."""
+    from megatron_moe.distributed import collectives
+    from megatron_moe.distributed.parallel_state import ParallelState
+
+    layout = RankLayout(**kwargs)
+    calls = {}
+    for rank in range(layout.world_size):
+        made = calls[rank] = []
+
+        def fake(ranks, made=made):
+            made.append(list(ranks))
+            return f"pg{len(made)}"
+
+        monkeypatch.setattr(collectives, "is_initialized", lambda: True)
+        monkeypatch.setattr(collectives, "new_group", fake)
+        monkeypatch.setattr(collectives, "backend_device", lambda handle: "cpu")
+        monkeypatch.setattr("megatron_moe.distributed.parallel_state.warm_up_p2p", lambda group, side=False: None)
+        state = ParallelState.build(layout, rank, side_channels=side)
+        for name, group in state.groups.items():
+            alone = group.size == 1
+            assert (group.handle is None) == alone and (group.device is None) == alone, (name, rank)
+            assert (group.side_handle is None) == (alone or name not in side), (name, rank)
+    wanted = [g for name in GROUP_NAMES for g in layout.groups(name) if len(g) > 1]
+    wanted += [g for name in sorted(side) for g in layout.groups(name) if len(g) > 1]
+    assert all(made == wanted for made in calls.values())

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from megatron_moe.model.param_meta import ParamMeta, init_from_seed_, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, init_from_seed_, make_param
 
 S = slice
 # E = 4 experts, hidden h = 8, expert FFN input width W = 16, FFN 8; dense: out 16, in 8 / out 8, in 16

@@ -257,7 +257,7 @@ class _FixedRows:
 def test_auto_chooses_from_the_balancers_placement(tmp_path):
     """Alg. 1's E T comes from the rows the balancer's Placement gives each EP rank (route -> plan
     -> choose), one plan per candidate with that candidate's per-source counts."""
-    from megatron_moe.moe.router import Router
+    from megatron_moe.moe.router import Router, kept_counts
     from megatron_moe.techniques.parm.parm import Auto, AutoRouted
 
     layout = RankLayout(world_size=4, tensor=2, expert=2)
@@ -275,7 +275,8 @@ def test_auto_chooses_from_the_balancers_placement(tmp_path):
     auto = Auto(cfg, state)
     for rows, expected in [([8, 8], "s2"), ([16, 0], "s1")]:  # E T = max rows * N_MP = 16 / 32
         balancer = _FixedRows(rows)
-        routed = AutoRouted(routing, counts, router, x, counts.flip(0))
+        kept = kept_counts(routing.expert_ids, routing.kept, 4)  # host: the micro-batch's kept counts
+        routed = AutoRouted(routing, counts, router, x, counts.flip(0), kept)
         auto.place(routed, balancer)
         assert routed.chosen.choice == expected, rows
         assert [c[1] for c in balancer.calls] == [[0, 1], [0, 1]]  # sources = ep_esp ranks -> EP ranks
@@ -298,7 +299,7 @@ def test_auto_and_the_balancers_without_a_profile(tmp_path, monkeypatch, one_thr
                  for name in ("fastermoe", "flexmoe", "proprophet")]
     for who, build in builders:
         with pytest.raises(ConfigError, match=f"^{who} needs perf.hardware_profile: set it, or pass the config "
-                                              "through perf.calibrate.resolve_hardware_profile") as error:
+                                              "through training.calibrate.resolve_hardware_profile") as error:
             build()
         assert "\n" not in str(error.value)
     model = GPTMoEModel(cfg, state)

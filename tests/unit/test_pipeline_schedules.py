@@ -59,6 +59,26 @@ def test_one_f_one_b_shape():
         assert most == p - s
 
 
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 3, 12), (3, 2, 9)])
+def test_interleaved_warmup_bounds_micro_batches_in_flight(p, v, m):
+    """Interleaved 1F1B's activation memory: stage s runs Megatron's warm-up of exactly
+    w = min((p - s - 1) * 2 + (v - 1) * p, v m) forwards (all v m when m == p), then one forward + one
+    backward per steady step, then the remaining backwards; so it keeps at most min(w + 1, v m)
+    (chunk, micro-batch) activations in flight. A longer warm-up leaves gradients and the bubble
+    unchanged: only this bound catches it."""
+    total = v * m
+    for s, prog in enumerate(programs("interleaved", p, m, v)):
+        warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
+        steady = total - warmup
+        kinds = ["B" if step.backward else "F" for step in prog if isinstance(step, Compute)]
+        assert kinds == ["F"] * warmup + ["F", "B"] * steady + ["B"] * warmup, (p, v, m, s)
+        in_flight, most = 0, 0
+        for kind in kinds:
+            in_flight += 1 if kind == "F" else -1
+            most = max(most, in_flight)
+        assert most == min(warmup + 1, total), (p, v, m, s)
+
+
 def test_simulation_rejects_mismatched_messages_and_deadlocks():
     progs = programs("1f1b", 2, 2, 1)
     # stage 1 expects micro-batch 1's activations before micro-batch 0's: the messages do not match

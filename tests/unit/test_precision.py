@@ -1,14 +1,17 @@
 """bf16 training the Megatron way (issue #29, docs/precision.md), one process: bf16 parameters with
 fp32 main gradients, AdamW on fp32 masters equal to torch's AdamW in fp32, checkpoints that hold
 fp32 weights (fp32 <-> bf16 resume exactly, bf16 resumes bit for bit)."""
+import math
+
 import pytest
 import torch
 
 from megatron_moe.config import load_config
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.gpt import GPTMoEModel
-from megatron_moe.model.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.model.precision import cast_params_
+from megatron_moe.moe import grouped_gemm
 from megatron_moe.training.distributed_optimizer import DistributedOptimizer
 from megatron_moe.training.mixed_precision import MixedPrecisionAdamW
 from megatron_moe.training.optimizer import build_optimizer
@@ -79,26 +82,40 @@ def test_compiled_master_step_is_adamw():
     assert float(ours.state[params[1]]["step"]) == 3 and float(ours.state[params[0]]["step"]) == 5
 
 
-def test_bf16_model_accumulates_fp32_main_grads():
-    """Parameters bf16, gradients of two micro-batches summed in fp32 `main_grad`, nothing left
-    in `.grad`; router logits and the loss fp32."""
+@pytest.mark.parametrize("wgrad_chunk", [None, 1])
+def test_bf16_model_accumulates_fp32_main_grads(wgrad_chunk, monkeypatch):
+    """Parameters bf16, the gradients of two different micro-batches summed in fp32 `main_grad`:
+    bit for bit the fp32 sum of each micro-batch's own (bf16) gradient, which bf16 cannot hold
+    (summing in bf16 would round it; the same batch twice would not tell, g + g is exact in bf16);
+    nothing left in `.grad`; router logits and the loss fp32. `wgrad_chunk` 1: the experts' dW in
+    chunks of one expert each (moe/grouped_gemm.py `_chunks`), the same bits."""
+    if wgrad_chunk is not None:
+        monkeypatch.setattr(grouped_gemm, "_WGRAD_TEMP_MAX_ELEMENTS", wgrad_chunk)
     cfg = load_config("configs/gpt_moe_tiny.yaml", ["model.seq_length=8", "model.vocab_size=64", "moe.num_experts=4"])
     one = ParallelState.single_process()
     model = cast_params_(GPTMoEModel(cfg, one), "bf16")
     optimizer = build_optimizer(model, cfg.optimizer)
     assert isinstance(optimizer, MixedPrecisionAdamW)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    optimizer.zero_grad()
-    grads = []
-    for _ in range(2):
-        out = model(tokens, tokens)
-        assert out.lm_loss.dtype == torch.float32
-        (out.lm_loss + out.aux_loss).backward()
-        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+
+    def main_grads(micro_batches):
+        optimizer.zero_grad()
+        for tokens in micro_batches:
+            out = model(tokens, tokens)
+            assert out.lm_loss.dtype == torch.float32
+            (out.lm_loss + out.aux_loss).backward()
+        return {n: p.main_grad.clone() for n, p in model.named_parameters()}
+
+    alone = [main_grads([tokens]) for tokens in batches]
+    both = main_grads(batches)
     for name, p in model.named_parameters():
         assert p.grad is None and p.main_grad.dtype == torch.float32, name
-        torch.testing.assert_close(grads[1][name], 2 * grads[0][name], rtol=1e-6, atol=1e-9)  # same batch twice
+        first, second = alone[0][name], alone[1][name]
+        assert torch.equal(first.bfloat16().float(), first) and not torch.equal(first, second), name
+        fp32_sum = first + second
+        assert torch.equal(both[name], fp32_sum), name
+        assert not torch.equal(fp32_sum.bfloat16().float(), fp32_sum), name  # a bf16 sum would differ
 
 
 def test_master_weights_step_like_fp32_adamw():
@@ -122,6 +139,40 @@ def test_master_weights_step_like_fp32_adamw():
         assert torch.equal(ours.state[p]["master"], r.detach())
         assert torch.equal(p.detach(), r.detach().bfloat16())
         assert torch.equal(ours.state[p]["exp_avg_sq"], theirs.state[r]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_grad_norm_and_clipping_use_the_fp32_main_grads(tmp_path, distributed):
+    """The grad norm a bf16 run reports and clips with is its fp32 main gradients' (Megatron's fp32
+    grad buffers), not their bf16 rounding: equal to the norm computed here from the main gradients
+    the clip saw (in float64) to fp32 rounding, rel 1e-6 (measured: <= 1e-7; the bf16-rounded
+    gradients' norm is 3.5e-5 and 4.4e-5 off), and clipping scales the main gradients in fp32, bit
+    for bit (clip_grad 0.1, below the norm: both steps clip)."""
+    trainer = _trainer(tmp_path, "bf16", ["training.precision=bf16", "optimizer.clip_grad=0.1"]
+                       + (["optimizer.distributed=true"] if distributed else []))
+    clip, seen = trainer.grads.clip, []
+
+    def main_grads():
+        return {n: p.main_grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    def recording_clip(max_norm):
+        before = main_grads()
+        norm = clip(max_norm)
+        seen.append((before, main_grads()))
+        return norm
+
+    trainer.grads.clip = recording_clip
+    for iteration in (1, 2):
+        record = trainer.train_step(iteration)
+        before, after = seen[-1]
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in before.values()))
+        rounded = math.sqrt(sum(float(g.bfloat16().double().pow(2).sum()) for g in before.values()))
+        assert abs(rounded / norm - 1) > 1e-5  # what the tolerance below tells apart
+        assert record["grad_norm"] == pytest.approx(norm, rel=1e-6, abs=0), (record["grad_norm"], norm, rounded)
+        coef = 0.1 / (record["grad_norm"] + 1e-6)
+        assert coef < 1
+        for name, grad in before.items():
+            assert torch.equal(after[name], grad * coef), name
 
 
 @pytest.mark.parametrize("distributed", [False, True])

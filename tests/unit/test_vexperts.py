@@ -437,20 +437,92 @@ def test_slots_per_rank_defaults():
 
 # -- config validation --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,needle", [
-    (["moe.balancer=flexmoe", "moe.flexmoe.slots_per_rank=3"], "moe.flexmoe.slots_per_rank=3"),
     (["moe.balancer=flexmoe", "moe.flexmoe.threshold=0.9"], "moe.flexmoe.threshold=0.9"),
     (["moe.balancer=flexmoe", "moe.flexmoe.interval=0"], "moe.flexmoe.interval=0"),
     (["moe.balancer=flexmoe", "moe.flexmoe.moves=async"], "moe.flexmoe.moves=async must be one of sync, best_effort"),
-    (["moe.balancer=eplb", "moe.eplb.redundant_slots=1"], "moe.eplb.redundant_slots=1"),  # 9 % 2
-    (["moe.balancer=eplb", "moe.eplb.redundant_slots=10"], "moe.eplb.redundant_slots=10"),  # 9 slots > 8
-    (["moe.balancer=eplb", "moe.eplb.redundant_slots=-2"], "moe.eplb.redundant_slots=-2"),
-    (["moe.balancer=eplb", "moe.eplb.ema=0"], "moe.eplb.ema"),
 ])
 def test_vexpert_config_errors(overrides, needle):
     cfg = load_config(TINY, ["parallel.expert=2"] + overrides)
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, 2)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+NULL2 = "(or null = 2)"  # moe.eplb.redundant_slots: null = one redundant slot per EP rank
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    # issue 43 item 11: each broken rule alone, with the nearest valid values (8 experts)
+    (2, ["moe.eplb.redundant_slots=1"], "moe.eplb.redundant_slots=1: moe.num_experts + redundant_slots = 9 slots do "
+                                        f"not divide over parallel.expert=2 ranks; use 0 or 2 {NULL2}"),
+    (4, ["moe.eplb.redundant_slots=6"], "moe.eplb.redundant_slots=6: moe.num_experts + redundant_slots = 14 slots do "
+                                        "not divide over parallel.expert=4 ranks; use 4 or 8 (or null = 4)"),
+    (2, ["moe.eplb.redundant_slots=-2"], f"moe.eplb.redundant_slots=-2 is negative; use 0 (no replica) or more {NULL2}"),
+    (2, ["moe.eplb.redundant_slots=-1"], f"moe.eplb.redundant_slots=-1 is negative; use 0 (no replica) or more {NULL2}"),
+    (2, ["moe.eplb.redundant_slots=10"], "moe.eplb.redundant_slots=10: 18 slots over parallel.expert=2 ranks exceed "
+                                         "moe.num_experts=8 per rank (a rank holds an expert at most once); use 8 or "
+                                         f"less {NULL2}"),
+    (2, ["moe.eplb.redundant_slots=9"], "moe.eplb.redundant_slots=9: 17 slots over parallel.expert=2 ranks exceed "
+                                        "moe.num_experts=8 per rank (a rank holds an expert at most once); use 8 or "
+                                        f"less {NULL2}"),
+    (1, ["moe.eplb.redundant_slots=3"], "moe.eplb.redundant_slots=3: 11 slots over parallel.expert=1 ranks exceed "
+                                        "moe.num_experts=8 per rank (a rank holds an expert at most once); use 0 "
+                                        "(or null = 0)"),
+    # the hierarchical plan keeps replicas in their node: at most E / nodes = 4 slots per rank (2 nodes x 2)
+    (4, ["parallel.ranks_per_node=2", "moe.eplb.hierarchical=true", "moe.eplb.redundant_slots=12"],
+     "moe.eplb.redundant_slots=12: 20 slots over parallel.expert=4 ranks exceed the 4 experts of a node per rank (the "
+     "hierarchical plan keeps an expert's replicas in its node of 2 EP ranks, and a rank holds an expert at most "
+     "once); use 8 or less (or null = 4), or moe.eplb.hierarchical=false"),
+    (2, ["moe.eplb.interval=0"], "moe.eplb.interval=0 is below 1 (EPLB re-plans every `interval` iterations); use 1 "
+                                 "(every iteration) or more"),
+    (2, ["moe.eplb.ema=0"], "moe.eplb.ema=0.0: the newest window's weight in the moving average of the loads must be "
+                            "> 0 (0 never updates them); use a weight in (0, 1], e.g. 0.5 (the default)"),
+    (2, ["moe.eplb.ema=1.5"], "moe.eplb.ema=1.5: the newest window's weight in the moving average of the loads is at "
+                              "most 1; use 1.0 (the newest window only) or less"),
+    (2, ["moe.balancer=flexmoe", "moe.flexmoe.slots_per_rank=3"],
+     "moe.flexmoe.slots_per_rank=3 must be >= moe.num_experts / parallel.expert = 4, the experts a rank starts with; "
+     "use 4 or more (or null = 5)"),
+])
+def test_vexpert_config_messages(world, overrides, message):
+    """One line per broken rule, naming only that rule and the nearest valid values."""
+    cfg = load_config(TINY, ["moe.balancer=eplb", f"parallel.expert={world}",
+                             f"training.global_batch_size={4 * world}"] + overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, world)
+    assert str(e.value) == message
+
+
+def test_eplb_suggested_values_are_valid():
+    """Every value a redundant_slots message suggests passes (and the bounds they name are tight)."""
+    for world, extra, bad, good in [(2, [], [1, 3, 7, 9, 10, -1], [0, 2, 4, 6, 8]), (4, [], [6, 25, -4], [4, 8, 24]),
+                                    (1, [], [1, 3], [0]),
+                                    (4, ["parallel.ranks_per_node=2", "moe.eplb.hierarchical=true"], [12, 10], [0, 8])]:
+        base = ["moe.balancer=eplb", f"parallel.expert={world}", f"training.global_batch_size={4 * world}"] + extra
+        for slots in good:
+            validate_config(load_config(TINY, base + [f"moe.eplb.redundant_slots={slots}"]), world)
+        for slots in bad:
+            with pytest.raises(ConfigError) as e:
+                validate_config(load_config(TINY, base + [f"moe.eplb.redundant_slots={slots}"]), world)
+            suggested = [int(w) for w in str(e.value).split("; use ")[1].replace(",", " ").split()[:3] if w.isdigit()]
+            assert suggested, str(e.value)
+            for slots_ok in suggested:
+                validate_config(load_config(TINY, base + [f"moe.eplb.redundant_slots={slots_ok}"]), world)
+
+
+def test_eplb_node_bound_checked_at_start_up():
+    """When the nodes come from the launcher (no parallel.ranks_per_node), the hierarchical plan's
+    bound on the slots is checked when the balancer is built, before the first plan would fail."""
+    from types import SimpleNamespace
+
+    from megatron_moe.techniques.eplb.eplb import EPLB
+
+    cfg = load_config(TINY, ["moe.balancer=eplb", "parallel.expert=4", "moe.eplb.hierarchical=true",
+                             "moe.eplb.redundant_slots=12", "training.global_batch_size=16"])
+    validate_config(cfg, 4)  # nodes unknown yet: the global bound (5 <= 8 slots per rank) holds
+    state = SimpleNamespace(ep_size=4, ep=_Group([0, 1, 2, 3], 2))
+    with pytest.raises(ConfigError, match=r"^moe.eplb.redundant_slots=12: 20 slots over parallel.expert=4 ranks "
+                                          r"exceed the 4 experts of a node per rank"):
+        EPLB(cfg, state)
 
 
 def test_vexpert_config_valid_and_unused_sections_ignored():
@@ -508,8 +580,9 @@ def test_ep_ranks_per_node_for_hierarchical_eplb():
 
 
 def test_eplb_hierarchical_modes():
-    """`moe.eplb.hierarchical`: auto is global unless the gate is group-limited (`moe.router_groups`
-    > 1); true follows the nodes; false never. Hierarchical plans pack the router's groups."""
+    """`moe.eplb.hierarchical`: auto is global unless group-limited routing limits a token's nodes
+    (`moe.router_group_topk` < min(top_k, nodes)); true follows the nodes; false never.
+    Hierarchical plans pack the router's groups."""
     from types import SimpleNamespace
 
     from megatron_moe.config import ConfigError
@@ -517,8 +590,9 @@ def test_eplb_hierarchical_modes():
 
     state = _State([0, 1, 2, 3], 2)  # two nodes of 2 EP ranks
 
-    def cfg(mode, groups=1):
-        return SimpleNamespace(moe=SimpleNamespace(eplb=SimpleNamespace(hierarchical=mode), router_groups=groups))
+    def cfg(mode, groups=1, group_topk=1):  # top-2 routing, a token's experts in 1 group
+        return SimpleNamespace(moe=SimpleNamespace(eplb=SimpleNamespace(hierarchical=mode), router_groups=groups,
+                                                   router_group_topk=group_topk, top_k=2, num_experts=12))
 
     assert eplb_ranks_per_node(cfg("auto"), state) is None
     assert eplb_ranks_per_node(cfg("auto", 2), state) == 2
@@ -527,5 +601,12 @@ def test_eplb_hierarchical_modes():
     # the groups the plan packs onto nodes: the router's, when they split evenly over the nodes
     assert hierarchical_groups(cfg("auto", 4), 4, 2) == 4 and hierarchical_groups(cfg("true"), 4, 2) == 1
     assert hierarchical_groups(cfg("false", 3), 4, None) == 3  # the global plan ignores them
-    with pytest.raises(ConfigError, match="moe.router_groups=3 does not divide evenly over the 2 nodes"):
+    with pytest.raises(ConfigError) as e:
         hierarchical_groups(cfg("auto", 3), 4, 2)
+    assert str(e.value) == ("moe.router_groups=3 does not divide evenly over the 2 nodes of the ep group (2 EP ranks "
+                            "each), and hierarchical EPLB packs whole router groups onto nodes; use "
+                            "moe.router_groups=2 or 4, or moe.eplb.hierarchical=false (plans globally)")
+    # the suggestions obey the router's rules: 12 experts, 2 groups per token, top-8 -> groups of >= 4 experts
+    with pytest.raises(ConfigError, match=r"; use moe.router_groups=2, or moe.eplb.hierarchical=false"):
+        hierarchical_groups(SimpleNamespace(moe=SimpleNamespace(router_groups=3, router_group_topk=2, top_k=8,
+                                                                num_experts=12)), 4, 2)

@@ -34,11 +34,19 @@ class NoCrossLayer:
     def after_layer(layer) -> None:
         pass
 
+    @staticmethod
+    def layer_input(layer, x):
+        return x  # (Pro-Prophet: an issue point when x's gradient is complete)
+
+    @staticmethod
+    def experts_output(layer, y):
+        return y  # (Pro-Prophet: an issue point when the expert output's gradient arrives)
+
 
 class Balancer(ABC):
     plans_during_dispatch = False  # `observe` runs while the dispatch all-to-all is in flight
     prefetches_trans = False  # the block before issues this layer's Trans (techniques/proprophet/cross_layer.py)
-    cross_layer = NoCrossLayer  # take_prefetched / before_experts / after_layer, called by moe/layer.py
+    cross_layer = NoCrossLayer  # take_prefetched / before_experts / after_layer / layer_input / experts_output
     slots_per_rank: Optional[int] = None  # persistent vExpert slots per EP rank (moe/vexperts.py), or owners
 
     def __init__(self, cfg: Config, state: ParallelState):

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_moe.config.schema import Config
+from megatron_moe.perf import host_sync
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.experts import ExpertBatch, Experts
 from megatron_moe.moe.placement import Placement
@@ -57,7 +58,9 @@ class Routed:
     # the router's decisions; tokens_per_expert, dropped and aux_loss cover this rank's whole
     # data-parallel micro-batch
     routing: Routing
-    counts: torch.Tensor  # Long[S, E] on the CPU: kept assignments per source and expert (balancer.plan's input)
+    # Long[S, E] on the host: kept assignments per source and expert (balancer.plan's input); the
+    # forward's one host read of device data (`perf/host_sync.py`), everything the host plans comes from it
+    counts: torch.Tensor
 
 
 @dataclass
@@ -68,6 +71,7 @@ class RunHooks:
     while_dispatching: Optional[Callable[[], None]] = None  # while the dispatch all-to-all is in flight
     before_experts: Optional[Callable[[], None]] = None  # right before the expert computation
     while_combining: Optional[Callable[[], None]] = None  # while the combine all-to-all is in flight
+    experts_output: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the experts' output
 
     def in_flight(self) -> Optional[Callable[[], None]]:
         """`while_dispatching` for a schedule's first all-to-all to run (once)."""
@@ -148,15 +152,19 @@ class Schedule(ABC):
             self.hooks.flush()
             if self.hooks.before_experts:
                 self.hooks.before_experts()
-            y = self.run_smart(routed, placement, experts, replicas)
+            y = self._experts_output(self.run_smart(routed, placement, experts, replicas))  # (its steps interleave)
         else:
             batch, ctx = self.dispatch(routed, placement)  # its first all-to-all takes `hooks.in_flight()`
             self.hooks.flush()
             if self.hooks.before_experts:
                 self.hooks.before_experts()
-            y = self.combine(experts(batch, replicas, grad_scale=self.expert_grad_scale), ctx)  # takes `combining()`
+            out = self._experts_output(experts(batch, replicas, grad_scale=self.expert_grad_scale))
+            y = self.combine(out, ctx)  # takes `combining()`
         self.hooks.flush_combining()
         return y
+
+    def _experts_output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.hooks.experts_output(out) if self.hooks.experts_output else out
 
     # -- FasterMoE's smart schedule (techniques/fastermoe/smart.py) --------------------------------------------
     def smart_parts(self, routed: Routed, placement: Placement) -> Tuple[torch.Tensor, Any, Any, Callable]:
@@ -184,12 +192,14 @@ def even_split(n: int, parts: int) -> List[int]:
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
-def slots_by_expert(ids: torch.Tensor) -> torch.Tensor:
-    """ids Long[n, k] (or flat) with -1 for dropped choices -> Long[m]: the kept slots
-    (token * k + choice) ordered by expert, token order within an expert (stable)."""
+def slots_by_expert(ids: torch.Tensor, kept: int) -> torch.Tensor:
+    """ids Long[n, k] (or flat) with -1 for dropped choices, `kept` (host int) how many are not
+    -1 -> Long[m = kept]: the kept slots (token * k + choice) ordered by expert, token order
+    within an expert (stable). A stable sort with the dropped ones last, cut at `kept` (known
+    from the counts the host read anyway): no `nonzero`, which reads its length on the host."""
     ids = ids.flatten()
-    slots = torch.nonzero(ids >= 0).squeeze(1)
-    return slots[torch.argsort(ids[slots], stable=True)]
+    key = ids.masked_fill(ids < 0, torch.iinfo(ids.dtype).max)  # dropped choices sort last
+    return torch.argsort(key, stable=True)[:kept]
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -199,14 +209,21 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def unless_identity(perm: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
-    """Long[m] permutation (where placement built it: the host) -> itself on `device`, or None where
-    it is the identity, checked before the copy so no device sync is added (a gather of m rows
-    forward and a scatter-add of their gradient backward saved). Rows ordered by expert are
-    already ordered by destination where each EP rank holds a contiguous range of experts (the
-    default placement), and a single EP rank's orders all keep rows in place."""
-    identity = torch.arange(perm.numel(), device=perm.device)
-    return None if bool(torch.equal(perm, identity)) else perm.to(device)
+def unless_identity(perm: torch.Tensor) -> Optional[torch.Tensor]:
+    """Long[m] permutation on the host (placement built it) -> itself, or None where it is the
+    identity (a gather of m rows forward and a scatter-add of their gradient backward saved; the
+    caller sends the others down with `upload`). Rows ordered by expert are already ordered by
+    destination where each EP rank holds a contiguous range of experts (the default placement),
+    and a single EP rank's orders all keep rows in place."""
+    return None if torch.equal(perm, torch.arange(perm.numel())) else perm
+
+
+def upload(tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> List[Optional[torch.Tensor]]:
+    """Host integer tensors (permutations, counts; None entries stay None) -> `device`, all in
+    one pinned buffer and one non-blocking copy (`perf/host_sync.py`)."""
+    present = [t for t in tensors if t is not None]
+    sent = iter(host_sync.to_device(present, device, "orders")) if present else iter(())
+    return [next(sent) if t is not None else None for t in tensors]
 
 
 def permute_rows(rows: torch.Tensor, perm: Optional[torch.Tensor], inverse: bool = False) -> torch.Tensor:

@@ -38,10 +38,11 @@ from megatron_moe.config.validate import section_check
 from megatron_moe.distributed import collectives as C
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.router import Router
+from megatron_moe.moe.router import Router, kept_counts
 from megatron_moe.moe.schedules import SCHEDULES
 from megatron_moe.moe.schedules.base import (EXCHANGES, Routed, Schedule, permute_rows,
-                                             slots_by_expert, unless_identity)
+                                             slots_by_expert, unless_identity, upload)
+from megatron_moe.perf import host_sync
 from megatron_moe.tensor_parallel import reduce_from_tp_region
 
 ROUTING_KIND = "all_gather_routing"  # byte-counter labels of the metadata collectives
@@ -73,7 +74,8 @@ class _CombineContext:
     send_splits: List[int]
     recv_splits: List[int]
     send_order: Optional[torch.Tensor]  # expert-ordered rows -> send buffer (None: the identity)
-    recv_order: Optional[torch.Tensor] = None  # received rows -> expert batch (set by dispatch; None: the identity)
+    recv_order: Optional[torch.Tensor] = None  # received rows -> expert batch (None: the identity)
+    expert_counts: Optional[torch.Tensor] = None  # Long[G] on the device: the batch's rows per expert
 
 
 @TOKEN_DISPATCH.register("per_copy")
@@ -83,13 +85,19 @@ class PerCopy:
     def __init__(self, schedule: "BaselineSchedule"):
         self.schedule = schedule
 
-    def send_rows(self, tokens: torch.Tensor, routed: BaselineRouted,
-                  placement: Placement) -> Tuple[torch.Tensor, _CombineContext]:
-        """G_p's rows [n_G, h] -> its kept assignments' rows ordered by destination EP rank [m, h]."""
+    def send_rows(self, tokens: torch.Tensor, routed: BaselineRouted, placement: Placement,
+                  receiving: bool = True) -> Tuple[torch.Tensor, _CombineContext]:
+        """G_p's rows [n_G, h] -> its kept assignments' rows ordered by destination EP rank [m, h].
+        The host's orders (and with `receiving`, the receive order and the batch's counts) go
+        down in one buffer."""
         ep = self.schedule.state.ep
         rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
-        send_order = unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True), rows.device)
-        ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order)
+        send_order = unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True))
+        recv_order = unless_identity(placement.receive_order(ep.rank)) if receiving else None
+        counts = torch.tensor(placement.expert_counts(ep.rank), dtype=torch.long) if receiving else None
+        send_order, recv_order, counts = upload([send_order, recv_order, counts], rows.device)
+        ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order,
+                              recv_order, counts)
         return permute_rows(rows, send_order), ctx
 
     def dispatch(self, tokens: torch.Tensor, routed: BaselineRouted,
@@ -98,9 +106,8 @@ class PerCopy:
         send, ctx = self.send_rows(tokens, routed, placement)
         received = C.all_to_all_v_autograd(send, ctx.send_splits, ctx.recv_splits, ep,  # step 4
                                            while_in_flight=s.hooks.in_flight(), backward_fill=s.backward_fill())
-        ctx.recv_order = unless_identity(placement.receive_order(ep.rank), send.device)
         batch = ExpertBatch(permute_rows(received, ctx.recv_order), placement.experts_on(ep.rank),
-                            placement.expert_counts(ep.rank))
+                            placement.expert_counts(ep.rank), ctx.expert_counts)
         return batch, ctx
 
     def combine(self, out: torch.Tensor, ctx: _CombineContext) -> torch.Tensor:
@@ -129,15 +136,19 @@ class BaselineSchedule(Schedule):
 
     def route(self, router: Router, x: torch.Tensor) -> BaselineRouted:
         routing = router(x)  # step 1: the whole TP-replicated micro-batch
-        esp = self.state.esp
-        sizes = C.all_gather_sizes(x.shape[0], esp, ROUTING_KIND)
+        esp, ep = self.state.esp, self.state.ep
+        # every rank of a stage routes micro-batches of the same b*s tokens (the config's shapes):
+        # the ESP ranks' sizes need no exchange (and no host read of one)
+        sizes = [x.shape[0]] * esp.size
         ids = routing.expert_ids.masked_fill(~routing.kept, -1)  # [n, k], -1 = dropped
         ids = C.all_gather_v(ids, esp, sizes, ROUTING_KIND).flatten()  # [n_G * k]
         weights = C.all_gather_v_autograd(routing.weights, esp, sizes, ROUTING_KIND, backward="split")
-        slots = slots_by_expert(ids)  # by expert; gathered order within an expert
-        local_counts = torch.bincount(ids[slots], minlength=router.num_experts)  # [E]
-        counts = C.all_gather(local_counts, self.state.ep, kind=COUNTS_KIND).view(-1, router.num_experts)  # [ep, E]
-        return BaselineRouted(routing, counts.cpu(), x, sizes, weights, slots, ids)
+        num_experts = router.num_experts
+        local_counts = kept_counts(ids, ids >= 0, num_experts)  # [E]
+        counts = C.all_gather(local_counts, ep, kind=COUNTS_KIND).view(-1, num_experts)  # [ep, E]
+        counts = host_sync.to_host(counts, "counts")  # the forward's one host read
+        slots = slots_by_expert(ids, int(counts[ep.rank].sum()))  # by expert; gathered order within an expert
+        return BaselineRouted(routing, counts, x, sizes, weights, slots, ids)
 
     def _gathered(self, routed: BaselineRouted) -> torch.Tensor:
         """Step 2: ESP-AllGather of the tokens, G_p [n_G, h]."""
@@ -157,7 +168,7 @@ class BaselineSchedule(Schedule):
         """Pairwise steps over `ep`; each step's partial sums are ESP-AllReduced before going back."""
         assert isinstance(self.token_dispatch, PerCopy), "the config check refuses the smart schedule otherwise"
         smart = EXCHANGES.get("smart")
-        send, ctx = self.token_dispatch.send_rows(self._gathered(routed), routed, placement)
+        send, ctx = self.token_dispatch.send_rows(self._gathered(routed), routed, placement, receiving=False)
         peers = smart.peer_group(self.cfg.moe.smart_group_size, self.state.esp_size, exchange_over_ep_esp=False)
         plan = smart.Plan(self.state.ep, ctx.send_splits, ctx.recv_splits, peers, placement, self.state.ep.rank)
         return send, ctx, plan, lambda out: reduce_from_tp_region(out, self.state.esp)

@@ -9,10 +9,10 @@ from scratch in `eplb_plan.py`), executed on the persistent vExpert slots of `mo
             newest window)
     plan  = replicate the heaviest experts (by load per replica) into the redundant slots, pack
             the replicas onto ranks by balanced greedy packing; hierarchical per
-            `moe.eplb.hierarchical` (`eplb_ranks_per_node`; by default only when the gate is
-            group-limited, as in DeepSeek's EPLB): the router's groups (`moe.router_groups`)
-            packed onto nodes first, so a token's experts sit in at most `router_group_topk`
-            nodes; without router groups, single experts
+            `moe.eplb.hierarchical` (`eplb_ranks_per_node`; by default only when group-limited
+            routing limits the nodes a token reaches, `node_limited`): the router's groups
+            (`moe.router_groups`) packed onto nodes first, so a token's experts sit in at most
+            `router_group_topk` nodes; without router groups, single experts
 
 EPLB ignores what a move costs (it was built for inference, where a re-plan is rare); each rank's
 new experts keep the slots they already had, so only the cells that change move. The FlexMoE
@@ -27,8 +27,7 @@ import numpy as np
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.techniques.eplb.eplb_plan import rebalance
 from megatron_moe.distributed.parallel_state import RankLayout
-from megatron_moe.techniques.flexmoe.vexpert_base import (SlotBalancer, block_ranks_per_node, check_options,
-                                                          ep_ranks_per_node)
+from megatron_moe.techniques.flexmoe.vexpert_base import SlotBalancer, block_ranks_per_node, ep_ranks_per_node
 from megatron_moe.config.validate import section_check
 
 
@@ -43,28 +42,37 @@ def eplb_slots_per_rank(cfg, ep_size: int) -> int:
 HIERARCHICAL = ("auto", "true", "false")
 
 
-def group_limited(cfg) -> bool:
-    """Whether the gate routes each token to a limited set of expert groups (`moe.router_groups`
-    > 1 with `moe.router_group_topk`, moe/router.py)."""
-    return cfg.moe.router_groups > 1
+def node_limited(cfg, nodes: int) -> bool:
+    """Whether group-limited routing keeps each token's experts in fewer of the ``ep`` group's
+    `nodes` than it could reach anyway, once the hierarchical plan puts each router group in one
+    node: a token's experts then lie in at most `moe.router_group_topk` groups, hence nodes, and
+    without the groups in at most min(`moe.top_k`, nodes); so router_group_topk < min(top_k, nodes).
+    Otherwise (router_group_topk = router_groups, >= nodes or >= top_k) the groups limit no token's
+    nodes and the plan would only pack coarser items. deepseek-ai/EPLB's hierarchical policy exists
+    for group-limited routing (its README: same-group experts on one node to cut inter-node
+    traffic), i.e. DeepSeek-V3's node-limited routing (§2.1.2: each token to at most M nodes, 4 of 8)."""
+    moe = cfg.moe
+    if moe.router_groups <= 1 or moe.router_group_topk is None:
+        return False
+    return moe.router_group_topk < min(moe.top_k, nodes)
 
 
 def eplb_ranks_per_node(cfg, state) -> Optional[int]:
     """EP ranks per node for the hierarchical plan, or None for the global one. `moe.eplb.hierarchical`:
-    auto = hierarchical only under group-limited routing (DeepSeek ties the two: its node-limited
-    gate keeps a token's experts in few nodes, the plan keeps each group's experts and replicas in
-    one node); true = whenever the ``ep`` group spans nodes; false = never. One EP rank per node:
-    no replica could stay inside its node (the plan would refuse any redundant slot), so the plan
-    is global."""
-    return _planned_ranks_per_node(cfg, ep_ranks_per_node(state))
+    auto = hierarchical only when group-limited routing limits the nodes a token reaches
+    (`node_limited`: DeepSeek ties the two, its node-limited gate keeps a token's experts in few
+    nodes, the plan keeps each group's experts and replicas in one node); true = whenever the ``ep``
+    group spans nodes; false = never. One EP rank per node: no replica could stay inside its node
+    (the plan would refuse any redundant slot), so the plan is global."""
+    return planned_ranks_per_node(cfg, state.ep.size, ep_ranks_per_node(state))
 
 
-def _planned_ranks_per_node(cfg, per_node: Optional[int]) -> Optional[int]:
-    """`eplb_ranks_per_node` given the ``ep`` group's EP ranks per node (`ep_ranks_per_node`)."""
+def planned_ranks_per_node(cfg, ep_size: int, per_node: Optional[int]) -> Optional[int]:
+    """`eplb_ranks_per_node` given the ``ep`` group's size and EP ranks per node (`ep_ranks_per_node`)."""
     mode = str(cfg.moe.eplb.hierarchical).lower()
-    if mode == "false" or (mode == "auto" and not group_limited(cfg)):
+    if mode == "false" or per_node is None or per_node <= 1:
         return None
-    return per_node if per_node is not None and per_node > 1 else None
+    return per_node if mode == "true" or node_limited(cfg, ep_size // per_node) else None
 
 
 def hierarchical_groups(cfg, ep_size: int, per_node: Optional[int]) -> int:
@@ -76,10 +84,56 @@ def hierarchical_groups(cfg, ep_size: int, per_node: Optional[int]) -> int:
 
     groups = cfg.moe.router_groups
     if per_node is not None and groups > 1 and groups % (ep_size // per_node):
-        raise ConfigError(f"moe.router_groups={groups} does not divide evenly over the {ep_size // per_node} nodes "
-                          f"of the ep group ({per_node} EP ranks each): hierarchical EPLB packs whole router groups "
-                          "onto nodes (moe.eplb.hierarchical=false plans globally)")
+        nodes = ep_size // per_node
+        near = _nearest(groups, [g for g in range(nodes, cfg.moe.num_experts + 1, nodes) if _router_groups_ok(cfg, g)])
+        use = f"use moe.router_groups={' or '.join(map(str, near))}, or " if near else "use "
+        raise ConfigError(f"moe.router_groups={groups} does not divide evenly over the {nodes} nodes of the ep group "
+                          f"({per_node} EP ranks each), and hierarchical EPLB packs whole router groups onto nodes; "
+                          f"{use}moe.eplb.hierarchical=false (plans globally)")
     return groups
+
+
+def _router_groups_ok(cfg, groups: int) -> bool:
+    """Whether the router takes `groups` groups with the config's `moe.router_group_topk` (moe/router.py)."""
+    moe = cfg.moe
+    topk = moe.router_group_topk or 1
+    return moe.num_experts % groups == 0 and topk <= groups and topk * (moe.num_experts // groups) >= moe.top_k
+
+
+def _nearest(value: int, valid) -> list:
+    """The largest of `valid` below `value` and the smallest above it (those that exist)."""
+    below, above = [v for v in valid if v < value], [v for v in valid if v > value]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+def redundant_slots_error(cfg, ep_size: int, per_node: Optional[int] = None) -> Optional[str]:
+    """The one rule `moe.eplb.redundant_slots` R breaks on an ``ep`` group of `ep_size` ranks, with
+    the nearest valid values, or None. E experts (a multiple of ep_size). Valid: R >= 0, E + R slots
+    dividing over the ranks, and at most E slots per rank (a rank holds an expert at most once), or
+    at most the E / nodes experts of its node under the hierarchical plan (`per_node`: EP ranks per
+    node, `planned_ranks_per_node`; None: global), so R <= E (ranks - 1), resp. E (per_node - 1)."""
+    redundant, experts = cfg.moe.eplb.redundant_slots, cfg.moe.num_experts
+    if redundant is None:
+        return None  # null = ep_size (0 on one rank): always valid
+    default = f"(or null = {ep_size if ep_size > 1 else 0})"
+    key = f"moe.eplb.redundant_slots={redundant}"
+    most = experts * ((per_node or ep_size) - 1)  # E + most fills exactly the per-rank bound on every rank
+    if redundant < 0:
+        return f"{key} is negative; use 0 (no replica) or more {default}"
+    if redundant > most:
+        cap = "0" if most == 0 else f"{most} or less"
+        slots = f"{key}: {experts + redundant} slots over parallel.expert={ep_size} ranks exceed"
+        if per_node is None:
+            return (f"{slots} moe.num_experts={experts} per rank (a rank holds an expert at most once); "
+                    f"use {cap} {default}")
+        return (f"{slots} the {experts * per_node // ep_size} experts of a node per rank (the hierarchical plan keeps "
+                f"an expert's replicas in its node of {per_node} EP ranks, and a rank holds an expert at most once); "
+                f"use {cap} {default}, or moe.eplb.hierarchical=false")
+    if (experts + redundant) % ep_size:
+        below = redundant - redundant % ep_size
+        return (f"{key}: moe.num_experts + redundant_slots = {experts + redundant} slots do not divide over "
+                f"parallel.expert={ep_size} ranks; use {below} or {below + ep_size} {default}")
+    return None
 
 
 def check_eplb_config(cfg) -> None:
@@ -114,6 +168,10 @@ class EPLB(SlotBalancer):
         self.ema_weight = eplb.ema
         self.ranks_per_node = eplb_ranks_per_node(cfg, state)
         self.groups = hierarchical_groups(cfg, state.ep_size, self.ranks_per_node)
+        problem = redundant_slots_error(cfg, state.ep_size, self.ranks_per_node)  # nodes known only now
+        if problem:
+            from megatron_moe.config.errors import ConfigError
+            raise ConfigError(problem)
         self.average: Optional[np.ndarray] = None  # [E] moving average of rows per iteration
 
     def propose(self, load: np.ndarray):
@@ -137,23 +195,32 @@ class EPLB(SlotBalancer):
 
 @section_check("moe.eplb")
 def _check_eplb(cfg, world_size: int) -> None:
-    """Enough slots for every expert, a sane schedule (checked with moe.balancer=eplb only)."""
+    """Enough slots for every expert, a sane schedule (checked with moe.balancer=eplb only); each
+    message names the one rule broken and the nearest valid values."""
+    from megatron_moe.config.errors import ConfigError
+
     moe, ep = cfg.moe, cfg.parallel.expert
     if moe.balancer != "eplb":
         return
     check_eplb_config(cfg)
     eplb = moe.eplb
-    redundant = eplb.redundant_slots if eplb.redundant_slots is not None else (ep if ep > 1 else 0)
-    check_options([("eplb.interval", eplb.interval, eplb.interval >= 1, ">= 1"),
-                   ("eplb.ema", eplb.ema, 0.0 < eplb.ema <= 1.0, "in (0, 1]"),
-                   ("eplb.redundant_slots", eplb.redundant_slots,
-                    redundant >= 0 and (moe.num_experts + redundant) % ep == 0
-                    and (moe.num_experts + redundant) // ep <= moe.num_experts,
-                    f">= 0 with moe.num_experts + it divisible by parallel.expert={ep} and at most "
-                    f"moe.num_experts slots per rank (or null = {ep if ep > 1 else 0})")])
-    par = cfg.parallel  # the router groups over the nodes, when the nodes are known before start-up
+    if eplb.interval < 1:
+        raise ConfigError(f"moe.eplb.interval={eplb.interval} is below 1 (EPLB re-plans every `interval` "
+                          "iterations); use 1 (every iteration) or more")
+    if not 0.0 < eplb.ema <= 1.0:
+        raise ConfigError(f"moe.eplb.ema={eplb.ema}: the newest window's weight in the moving average of the loads "
+                          + ("must be > 0 (0 never updates them); use a weight in (0, 1], e.g. 0.5 (the default)"
+                             if eplb.ema <= 0 else "is at most 1; use 1.0 (the newest window only) or less"))
+    planned = [None]  # EP ranks per node of each ep group's plan (None: global), when known before start-up
+    par = cfg.parallel
     if par.ranks_per_node and world_size % (par.tensor * par.pipeline) == 0 and world_size % par.ranks_per_node == 0 \
             and (world_size // par.pipeline) % (ep * par.expert_shard) == 0:
         layout = RankLayout(world_size, par.tensor, par.pipeline, ep, par.expert_shard, par.ranks_per_node)
-        for ranks in layout.groups("ep"):
-            hierarchical_groups(cfg, ep, _planned_ranks_per_node(cfg, block_ranks_per_node(ranks, par.ranks_per_node)))
+        planned = [planned_ranks_per_node(cfg, ep, block_ranks_per_node(ranks, par.ranks_per_node))
+                   for ranks in layout.groups("ep")]
+    for per_node in planned:  # the router groups over the nodes
+        hierarchical_groups(cfg, ep, per_node)
+    if moe.num_experts % ep == 0:  # otherwise the layout check reports parallel.expert first
+        problem = redundant_slots_error(cfg, ep, min(planned, key=lambda n: n or ep))  # the tightest bound
+        if problem:
+            raise ConfigError(problem)

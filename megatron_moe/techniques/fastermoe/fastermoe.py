@@ -32,6 +32,7 @@ from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile, expert_
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 from megatron_moe.perf.hardware import PROFILE_NEEDS
+from megatron_moe.distributed.parallel_state import SIDE_CHANNELS
 
 
 def rows_per_rank(counts: torch.Tensor, source_ep_ranks: Sequence[int], ep_size: int) -> torch.Tensor:
@@ -126,6 +127,14 @@ def _check_fastermoe(cfg, world_size: int) -> None:
         check_fastermoe_config(cfg)
     if not 0 <= moe.fastermoe.min_shadow <= moe.num_experts:
         raise ConfigError(f"moe.fastermoe.min_shadow={moe.fastermoe.min_shadow} must be in [0, moe.num_experts]")
+
+
+@SIDE_CHANNELS.register("fastermoe")
+def _side_channels(cfg) -> list:
+    """Trans / Agg of the shadowed experts travel on a side channel of ``ep`` (moe/replicas.py): on
+    NCCL, ops on one communicator run one after another on its stream, so on ``ep`` itself Trans
+    would hold the dispatch all-to-all back and Agg the backward all-to-alls of earlier layers."""
+    return ["ep"] if cfg.moe.balancer == "fastermoe" else []
 
 
 @PROFILE_NEEDS.register("fastermoe")

@@ -35,7 +35,7 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import Group
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.schedules.base import EXCHANGES
+from megatron_moe.moe.schedules.base import EXCHANGES, upload
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 
@@ -61,10 +61,18 @@ class SmartPlan:
         return [(members[(me - j) % n], members[(me + j) % n]) for j in range(n)]
 
     def batch(self, rows: torch.Tensor, sources: Sequence[int]) -> Tuple[ExpertBatch, torch.Tensor]:
-        """Rows received from `sources` (source-major, their order) -> (expert batch, its order)."""
-        order = self.placement.receive_order_from(self.ep_rank, sources).to(rows.device)
+        """Rows received from `sources` (source-major, their order) -> (expert batch, its order).
+        Every step's order and counts go down in one buffer at the first step (`upload`)."""
+        if not hasattr(self, "_sent"):
+            groups = [tuple(frm) for _, frm in self.steps]
+            placement, q = self.placement, self.ep_rank
+            host = [(placement.receive_order_from(q, g), torch.tensor(placement.expert_counts_from(q, g)))
+                    for g in groups]
+            sent = iter(upload([t for pair in host for t in pair], rows.device))
+            self._sent = {g: (next(sent), next(sent)) for g in groups}
+        order, counts = self._sent[tuple(sources)]
         return (ExpertBatch(rows.index_select(0, order), self.placement.experts_on(self.ep_rank),
-                            self.placement.expert_counts_from(self.ep_rank, sources)), order)
+                            self.placement.expert_counts_from(self.ep_rank, sources), counts), order)
 
 
 def _offsets(splits: Sequence[int]) -> List[int]:

@@ -38,18 +38,19 @@ def topology_select(probs: torch.Tensor, top_k: int, remote: torch.Tensor, budge
     descending probability, combine weights [n, k]) per the module docstring."""
     chosen = torch.topk(probs, top_k, dim=-1).indices  # best fit [n, k]
     off_node = remote[chosen]  # [n, k]
-    if int(off_node.sum()) > budget:
-        scores = torch.where(off_node, probs.gather(1, chosen), torch.full_like(probs[:, :top_k], -1.0)).flatten()
-        allowed = torch.argsort(scores, descending=True, stable=True)[:budget]  # highest scores, earlier tokens first
-        demoted = off_node.flatten().clone()
-        demoted[allowed] = False
-        demoted = demoted.view_as(off_node)  # [n, k] choices that must re-select locally
-        local = probs.masked_fill(remote, float("-inf")).scatter(1, chosen, float("-inf"))
-        alternatives, alternative_ids = torch.topk(local, top_k, dim=-1)  # best local experts not chosen yet
-        rank = (demoted.long().cumsum(1) - 1).clamp(min=0)  # i-th demoted slot of a token takes alternative i
-        usable = demoted & torch.isfinite(alternatives.gather(1, rank))
-        chosen = torch.where(usable, alternative_ids.gather(1, rank), chosen)
-        chosen = chosen.gather(1, torch.argsort(probs.gather(1, chosen), dim=1, descending=True, stable=True))
+    # no branch on the off-node count (a host read): within the budget every off-node choice is
+    # among the `budget` allowed, nothing is demoted and the re-sort keeps top-k's order
+    scores = torch.where(off_node, probs.gather(1, chosen), torch.full_like(probs[:, :top_k], -1.0)).flatten()
+    allowed = torch.argsort(scores, descending=True, stable=True)[:budget]  # highest scores, earlier tokens first
+    demoted = off_node.flatten().clone()
+    demoted[allowed] = False
+    demoted = demoted.view_as(off_node)  # [n, k] choices that must re-select locally
+    local = probs.masked_fill(remote, float("-inf")).scatter(1, chosen, float("-inf"))
+    alternatives, alternative_ids = torch.topk(local, top_k, dim=-1)  # best local experts not chosen yet
+    rank = (demoted.long().cumsum(1) - 1).clamp(min=0)  # i-th demoted slot of a token takes alternative i
+    usable = demoted & torch.isfinite(alternatives.gather(1, rank))
+    chosen = torch.where(usable, alternative_ids.gather(1, rank), chosen)
+    chosen = chosen.gather(1, torch.argsort(probs.gather(1, chosen), dim=1, descending=True, stable=True))
     weights = probs.gather(1, chosen)
     if top_k > 1:
         weights = weights / weights.sum(-1, keepdim=True)

@@ -17,6 +17,7 @@ vExperts of one expert on one GPU share one copy of its weights. Token counts ar
     propose_migration     Alg. 1 line 9: swap a replicated expert's vExpert onto another of its GPUs
     schedule              Alg. 1 for one monitoring step: the ops to apply, in order
     apply_ops             executes Expand / Shrink / Migrate (§3.3) on a placement
+    net_primitives        the ops without Expand / Shrink pairs that cancel (what is counted and priced)
 
 Where this departs from the paper, and why:
   * Eq. 8 and 9 use one profiled bandwidth for all GPU pairs; the all-reduce of Eq. 9 is priced
@@ -32,8 +33,9 @@ Where this departs from the paper, and why:
   * not a departure: Alg. 2 considers e0 = argmax cap_e only (line 6) and returns {} when no
     plan for it lowers Eq. 5 (lines 8-10), so Alg. 1 stops (lines 5-6) once the slowest GPU holds
     no vExpert of e0, even where expanding that GPU's own expert would gain; this follows the
-    paper as printed (`moe.flexmoe.policy: printed`); `flexmoe_policy.straggler_plan`, the
-    default, is the policy §3.3 describes;
+    paper as printed (`moe.flexmoe.policy: printed`); the default, `flexmoe_policy.straggler_plan`
+    with `escape_plan`, is a local search in FlexMoE's spirit, not Alg. 2 (its docstring lists
+    each way it departs);
   * Alg. 1 line 9 "Modify Expert Placement with Migrate" is made concrete as greedy swaps that
     move a vExpert of a replicated expert onto a GPU already holding that expert, while Eq. 5
     plus transfer cost predicts a gain (fewer GPUs to sync, or fewer tokens crossing GPUs);
@@ -206,8 +208,9 @@ class FlexCostModel:
 
     def adjust_time(self, ops: Sequence[Op]) -> float:
         """Transfer time of `ops`: model states of every Expand / Migrate between two GPUs (a
-        Migrate's two directions run at once; same-GPU copies share weights; Shrink is a tag)."""
-        moves = sum(1 for op in ops if (isinstance(op, Expand) and op.src_rank != op.dst_rank)
+        Migrate's two directions run at once; same-GPU copies share weights; Shrink is a tag; an
+        Expand that a Shrink cancels, `net_primitives`, moves nothing)."""
+        moves = sum(1 for op in net_primitives(ops) if (isinstance(op, Expand) and op.src_rank != op.dst_rank)
                     or (isinstance(op, Migrate) and op.src_rank != op.dst_rank))
         return moves * self.state_params_per_expert * self.seconds_per_param_sent
 
@@ -264,6 +267,25 @@ def _delta(ops: Sequence[Op], slots: np.ndarray, num_ranks: int) -> Dict[int, np
             add(other, op.dst_rank, -1)
             add(other, op.src_rank, 1)
     return delta
+
+
+def net_primitives(ops: Sequence[Op]) -> List[Op]:
+    """`ops` without the Expand / Shrink pairs that cancel: an Expand and a Shrink of the same
+    expert on the same GPU, in either order, leave n_{e,g} as it was and count as neither (nor
+    is the Expand's transfer paid: the moves go from the first table to the last, §4). For
+    counting and pricing; the result need not apply to a placement."""
+    expands: Dict[Tuple[int, int], List[int]] = {}
+    shrinks: Dict[Tuple[int, int], List[int]] = {}
+    for i, op in enumerate(ops):
+        if isinstance(op, Expand):
+            expands.setdefault((op.expert, op.dst_rank), []).append(i)
+        elif isinstance(op, Shrink):
+            shrinks.setdefault((op.expert, op.rank), []).append(i)
+    dropped = set()
+    for key, grown in expands.items():
+        pairs = min(len(grown), len(shrinks.get(key, [])))
+        dropped.update(grown[:pairs] + shrinks.get(key, [])[:pairs])
+    return [op for i, op in enumerate(ops) if i not in dropped]
 
 
 def _rank(slots: np.ndarray, rank: int) -> int:
@@ -365,17 +387,25 @@ def propose_migration(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel
     return best
 
 
+Policy = Callable[[np.ndarray, np.ndarray, FlexCostModel], List[Op]]
+
+
 def schedule(counts: np.ndarray, slots: np.ndarray, cost: FlexCostModel, threshold: float,
-             policy: Callable[[np.ndarray, np.ndarray, FlexCostModel], List[Op]] = make_scheduling_plan) -> List[Op]:
+             policy: Policy = make_scheduling_plan, escape: Optional[Policy] = None) -> List[Op]:
     """Alg. 1 for one monitoring step: while Eq. 6 exceeds `threshold`, apply the policy maker's
     plans (Alg. 2 as printed, or `flexmoe_policy.straggler_plan`) until it returns none (lines
     2-8); then apply beneficial Migrates (line 9). Returns every op in order (apply with
-    `apply_ops`). Terminates: each accepted plan strictly lowers the predicted GPU times."""
+    `apply_ops`). With `escape` (`flexmoe_policy.escape_plan`), a policy's {} at a placement this
+    step's own plans reached is first handed to it, and its plan applied if it has one (a
+    placement the step starts from was the previous step's end, where it was tried already).
+    Terminates: each accepted plan strictly lowers the predicted GPU times (an escape: their max)."""
     ops: List[Op] = []
     current = np.asarray(slots)
     tokens = _check_counts(counts, current.shape[0]).sum(0)
     while balance_ratio(tokens, current) > threshold:
         plan = policy(counts, current, cost)
+        if not plan and ops and escape is not None:
+            plan = escape(counts, current, cost)
         if not plan:
             break
         ops += plan

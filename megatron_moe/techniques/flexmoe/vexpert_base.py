@@ -29,6 +29,7 @@ from megatron_moe.techniques.flexmoe.flexmoe_plan import flexible_routing
 from megatron_moe.moe.placement import Placement
 from megatron_moe.moe.vexpert_moves import MovesInFlight, reshape_storage
 from megatron_moe.moe.vexperts import integer_routing, sync_replica_grads
+from megatron_moe.perf.host_sync import to_host
 from megatron_moe.config.errors import ConfigError
 
 OP_KINDS = ("expand", "shrink", "migrate")
@@ -72,10 +73,12 @@ class SlotBalancer(Balancer):
         self.last_moves = 0
         if not self.wants_decision(iteration):
             return 0
-        window = torch.from_numpy(self.window)
+        window = self.window
         if self.state.edp_size > 1:  # every ep_esp group saw its own tokens: decide on their mean
-            window = C.all_reduce(window.clone(), self.state.edp, kind="vexpert_plan") / self.state.edp_size
-        new_slots = self.decide(window.numpy())
+            edp = self.state.edp  # [ep, E] float64 on edp's device (NCCL: the GPU), read back once per interval
+            summed = C.all_reduce(edp.to_device(torch.from_numpy(self.window.copy())), edp, kind="vexpert_plan")
+            window = to_host(summed, "vexpert window").numpy() / self.state.edp_size  # once per interval
+        new_slots = self.decide(window)
         if new_slots is not None:  # the state as of this step goes out now; it lands now or before the next forward
             self.in_flight = MovesInFlight(self.experts, new_slots, optimizer, self.state.ep)
             if self.moves == "sync":

@@ -31,7 +31,7 @@ work already run (an exponential moving average, seeded by the hardware profile'
 `expert_compute.beta`; each dW is timed on its device by `perf/timing.py`, CUDA events that enter
 the average once they have fired, so backward never waits for the GPU to learn a time); an
 all-to-all's comes from the profile's `ep_esp_alltoall` alpha-beta on its elements. The profile is
-`perf.hardware_profile` or, unset, the one calibrated at start-up (`perf/calibrate.py`:
+`perf.hardware_profile` or, unset, the one calibrated at start-up (`training/calibrate.py`:
 `profile_needs` asks for the all-to-all's estimate), so the budget is finite.
 """
 from __future__ import annotations

@@ -66,8 +66,9 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.group import Group
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement, expert_major_order
-from megatron_moe.moe.schedules.base import inverse_permutation
+from megatron_moe.moe.schedules.base import inverse_permutation, upload
 from megatron_moe.moe.schedules.baseline import TOKEN_DISPATCH, BaselineRouted
+from megatron_moe.perf.host_sync import to_host_all
 
 ROUTING_KIND = "all_to_all_routing"  # hop 1's codes and combine weights (and the weights' gradients)
 
@@ -125,8 +126,11 @@ class NodeDedup:
         self.proxies = NodeProxies.of(ep)
         self.node = torch.tensor(self.proxies.node)  # Long[ep]
         mine = self.proxies.node[ep.rank]
+        # Long[nodes]: the member receiving this rank's rows for each node (hop 1)
+        self.proxy_of_node = torch.tensor([self.proxies.proxy(ep.rank, node) for node in range(self.proxies.num_nodes)])
         # Long[ep]: the proxy on this rank's node of each source (the sources are the ep ranks)
         self.via = torch.tensor([self.proxies.proxy(s, mine) for s in range(ep.size)])
+        self.proxied = [s for s in range(ep.size) if self.proxies.proxy(s, mine) == ep.rank]  # sources proxied here
         # ep_node's members are ep's on this node: consecutive ep ranks, this slice of them
         members = self.proxies.members[mine]
         self.on_node = slice(members[0], members[-1] + 1)
@@ -138,20 +142,23 @@ class NodeDedup:
         assert sum(inside) == sum(per_member), (per_member, self.on_node)  # counts are >= 0
         return inside
 
-    def _pairs(self, routed: BaselineRouted, placement: Placement, dev) -> Tuple[torch.Tensor, List[int], torch.Tensor]:
-        """Hop 1 on the source: (Long[R] token of each (token, node) row, rows to each member,
-        Long[R, k] codes: expert * ep + computing rank, -1 off the row's node or dropped)."""
-        ep, k, n = self.schedule.state.ep, routed.weights.shape[1], routed.weights.shape[0]
-        slots = routed.slots  # [m] kept slots by expert
-        dest = placement.destinations(ep.rank).to(dev)  # [m] EP rank computing each
-        key = self.node.to(dev)[dest] * n + slots // k  # [m] (node, token)
-        pairs, row = torch.unique(key, sorted=True, return_inverse=True)  # [R] by node then token, [m]
-        codes = torch.full((pairs.numel(), k), -1, dtype=torch.long, device=dev)
-        codes[row, slots % k] = routed.ids[slots] * ep.size + dest
-        send = [0] * ep.size
-        for node, rows in enumerate(torch.bincount(pairs // n, minlength=self.proxies.num_nodes).tolist()):
-            send[self.proxies.proxy(ep.rank, node)] += rows
-        return pairs % n, send, codes
+    def _pairs(self, routed: BaselineRouted, dest: torch.Tensor, dest_node: torch.Tensor, proxy_of_node: torch.Tensor
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hop 1 on the source, on the device (`dest`, `dest_node` Long[m]: the EP rank computing
+        each kept slot and its node): (Long[m] each slot's (node, token) key sorted, the slots'
+        order into it, Long[m] each slot's pair index, Long[ep] rows to each member). A sort
+        instead of `torch.unique`, which reads the pair count on the host."""
+        ep, n = self.schedule.state.ep, routed.weights.shape[0]
+        key = dest_node * n + routed.slots // routed.weights.shape[1]  # [m] (node, token)
+        key_sorted, order = torch.sort(key, stable=True)
+        first = torch.ones_like(key_sorted, dtype=torch.bool)
+        first[1:] = key_sorted[1:] != key_sorted[:-1]  # [m] a pair's first slot
+        pair_sorted = first.long().cumsum(0) - 1  # [m] pair index, by node then token
+        row = torch.empty_like(pair_sorted).scatter_(0, order, pair_sorted)
+        per_node = torch.zeros(self.proxies.num_nodes, dtype=torch.long, device=key.device).scatter_add_(
+            0, key_sorted // n, first.long())  # [nodes] pairs
+        send = torch.zeros(ep.size, dtype=torch.long, device=key.device).index_add_(0, proxy_of_node, per_node)
+        return key_sorted, pair_sorted, row, send
 
     def _arriving(self, placement: Placement) -> torch.Tensor:
         """Long[ep, E]: hop 2 copies per (proxy, expert) this rank receives: source s's rows of
@@ -163,25 +170,35 @@ class NodeDedup:
     def dispatch(self, tokens: torch.Tensor, routed: BaselineRouted,
                  placement: Placement) -> Tuple[ExpertBatch, _Context]:
         s, dev = self.schedule, tokens.device
-        ep, k = s.state.ep, routed.weights.shape[1]
-        row_token, send, codes = self._pairs(routed, placement, dev)
-        recv = C.exchange_counts(torch.tensor(send, device=dev).view(-1, 1), ep).flatten().tolist()
+        ep, k, n = s.state.ep, routed.weights.shape[1], routed.weights.shape[0]
+        num_experts = placement.routing_table.shape[1]
+        # hop 2 as a proxy, from the placement on the host: the copies forwarded to each member
+        # (sources whose proxy here this rank is) and received from each proxy
+        send2 = placement.routing_table[self.proxied].sum((0, 1))[self.on_node].tolist()  # their copies for this node
+        arriving = self._arriving(placement)  # [ep, E]: zero rows off this node
+        recv2 = self._in_node(arriving.sum(1).tolist())
+        dest = placement.destinations(ep.rank)  # [m] EP rank computing each kept slot
+        dest, dest_node, proxy_of_node, recv_order, counts = upload(  # one buffer down
+            [dest, self.node[dest], self.proxy_of_node, expert_major_order(arriving, placement.experts_on(ep.rank)),
+             torch.tensor(placement.expert_counts(ep.rank), dtype=torch.long)], dev)
+        key_sorted, pair_sorted, row, send = self._pairs(routed, dest, dest_node, proxy_of_node)
+        recv = C.exchange_counts(send.view(-1, 1), ep).flatten()
+        send, recv = (t.tolist() for t in to_host_all([send, recv], "node_dedup rows"))  # a host sync
+        pairs = key_sorted.new_zeros(sum(send)).scatter_(0, pair_sorted, key_sorted)  # [R] by node then token
+        row_token, slots = pairs % n, routed.slots
+        codes = torch.full((pairs.numel(), k), -1, dtype=torch.long, device=dev)
+        codes[row, slots % k] = routed.ids[slots] * ep.size + dest
         codes = C.all_to_all_v(codes, send, recv, ep, kind=ROUTING_KIND)  # [R', k]
         weights = C.all_to_all_v_autograd(routed.weights.index_select(0, row_token), send, recv, ep, kind=ROUTING_KIND)
         rows = C.all_to_all_v_autograd(tokens.index_select(0, row_token), send, recv, ep,  # hop 1 [R', h]
                                        while_in_flight=s.hooks.in_flight(), backward_fill=s.backward_fill())
-        valid = torch.nonzero(codes.flatten() >= 0).squeeze(1)  # [F] received row * k + choice
-        code = codes.flatten()[valid]
-        num_experts = placement.routing_table.shape[1]
-        forwarded = valid[torch.argsort((code % ep.size) * num_experts + code // ep.size, stable=True)]
-        send2 = self._in_node(torch.bincount(code % ep.size, minlength=ep.size).tolist())
-        arriving = self._arriving(placement)  # [ep, E]: zero rows off this node
-        recv2 = self._in_node(arriving.sum(1).tolist())
+        code = codes.flatten()  # [R' k] received row * k + choice
+        key = torch.where(code >= 0, (code % ep.size) * num_experts + code // ep.size, ep.size * num_experts)
+        forwarded = torch.argsort(key, stable=True)[:sum(send2)]  # [F] valid codes by (rank, expert)
         copies = C.all_to_all_v_autograd(rows.index_select(0, forwarded // k), send2, recv2,  # hop 2 [M, h]
                                          self.ep_node, backward_fill=s.backward_fill())
-        recv_order = expert_major_order(arriving, placement.experts_on(ep.rank)).to(dev)
         batch = ExpertBatch(copies.index_select(0, recv_order), placement.experts_on(ep.rank),
-                            placement.expert_counts(ep.rank))
+                            placement.expert_counts(ep.rank), counts)
         return batch, _Context(routed, row_token, send, recv, weights, forwarded, send2, recv2, recv_order)
 
     def combine(self, out: torch.Tensor, ctx: _Context) -> torch.Tensor:

@@ -69,9 +69,10 @@ from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.experts import ExpertBatch
 from megatron_moe.moe.placement import Placement
-from megatron_moe.moe.router import Router, Routing, capacity_keep, losses_from_sums
+from megatron_moe.moe.router import Router, Routing, capacity_keep, expert_counts, kept_counts, losses_from_sums
 from megatron_moe.moe.schedules import SCHEDULES
-from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert
+from megatron_moe.moe.schedules.base import Routed, Schedule, even_split, slots_by_expert, upload
+from megatron_moe.perf.host_sync import to_host, to_host_all
 from megatron_moe.moe.stats import MoEStats
 from megatron_moe.perf.hardware import PARM_OPS, configured_profile
 from megatron_moe.techniques.parm.parm_model import choose_schedule, dispatched_assignments
@@ -96,18 +97,19 @@ class ParmRouted(Routed):
     slots: torch.Tensor
     piece_rows: Optional[List[int]]  # S2: rows of each TP rank's piece of `slots`; S1: None
     token_sizes: Optional[List[int]]  # S1: tokens of each TP rank (its MP-AllGather); S2: None
-    dropped: int  # assignments of the whole micro-batch dropped by capacity
+    dropped: torch.Tensor  # Long scalar on the device: assignments of the whole micro-batch dropped by capacity
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
     return t.cumsum(0) - t
 
 
-def _block_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Long[sum(lengths)]: the indices of blocks [starts[b], starts[b] + lengths[b]), concatenated."""
-    within = torch.arange(int(lengths.sum()), device=lengths.device)
-    within = within - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
-    return torch.repeat_interleave(starts, lengths) + within
+def _block_index(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Long[total = sum(lengths)] (`total` known on the host): the indices of blocks
+    [starts[b], starts[b] + lengths[b]), concatenated."""
+    within = torch.arange(total, device=lengths.device)
+    within = within - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths, output_size=total)
+    return torch.repeat_interleave(starts, lengths, output_size=total) + within
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -116,9 +118,9 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _kept_slots(expert_ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Long[m]: kept slots (token * k + choice) ordered by expert, token order within an expert."""
-    return slots_by_expert(expert_ids.masked_fill(~kept, -1))
+def _kept_slots(expert_ids: torch.Tensor, kept: torch.Tensor, m: int) -> torch.Tensor:
+    """Long[m]: the m kept slots (token * k + choice) ordered by expert, token order within an expert."""
+    return slots_by_expert(expert_ids.masked_fill(~kept, -1), m)
 
 
 def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) -> Routing:
@@ -128,7 +130,7 @@ def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) ->
     num_experts = router.num_experts
     logits = router.logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
     probs, expert_ids, weights = router.select(logits)
-    counts = torch.bincount(expert_ids.flatten(), minlength=num_experts)
+    counts = expert_counts(expert_ids, num_experts)
     counts = C.all_gather(counts, tp, kind=COUNTS_KIND).view(tp.size, num_experts)  # [tp, E]
     tokens_per_expert = counts.sum(0)
     # token sums of the router probabilities and of logsumexp^2 over the TP pieces [E + 1]
@@ -161,16 +163,24 @@ class EpEspExchange:
         self.per_ep = placement.send_splits(source)  # [ep] own rows for each EP rank
         send_order = torch.argsort(placement.destinations(source), stable=True)  # by destination EP rank
         per_ep = torch.tensor(self.per_ep, dtype=torch.long)
-        dumped = _block_index(_exclusive_cumsum(per_ep).repeat_interleave(esp), per_ep.repeat_interleave(esp))
-        self.dump = send_order[dumped].to(device)  # local Dump: EP rank q's block once per shard holder
-        self.send_order = send_order.to(device)
+        self.rows = sum(self.per_ep)
+        dumped = _block_index(_exclusive_cumsum(per_ep).repeat_interleave(esp), per_ep.repeat_interleave(esp),
+                              self.rows * esp)
         self.send_splits = [n for n in self.per_ep for _ in range(esp)]  # [ep * esp]
         self.recv_splits = placement.recv_splits(p)  # [ep * esp] rows from each source
-        self.recv_order = placement.receive_order(p).to(device)  # source-major -> expert-major
-        self.recv_inverse = _inverse(self.recv_order)
-        self.rows = int(per_ep.sum())
+        recv_order = placement.receive_order(p)  # source-major -> expert-major
+        peers = self._local_peers(placement) if saa else None  # (SAA) known here, or None: exchanged
+        # every order this forward needs and the expert batch's counts: one buffer down
+        # (local Dump: EP rank q's block once per shard holder)
+        sent = upload([send_order[dumped], send_order, recv_order, _inverse(recv_order),
+                       torch.tensor(placement.expert_counts(p), dtype=torch.long)]
+                      + [order for _, _, order in peers or []], device)
+        self.dump, self.send_order, self.recv_order, self.recv_inverse, self.expert_counts = sent[:5]
         self.offset = sum(piece_rows[: state.tp.rank]) if piece_rows else 0
-        self.peers = self._peers(device) if saa else None
+        self.peers = None
+        if saa:
+            self.peers = ([(q, splits, order) for (q, splits, _), order in zip(peers, sent[5:])] if peers is not None
+                          else self._peers(device))
 
     def down(self, rows: torch.Tensor, in_flight: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """`in_flight`: work during the all-to-all (else the forward's `self.in_flight`, once)."""
@@ -191,20 +201,30 @@ class EpEspExchange:
         return C.all_gather_v(rows, self.state.tp, self.piece_rows) if self.piece_rows is not None else rows
 
     # -- SAA ------------------------------------------------------------------------------------
+    def _local_peers(self, placement: Placement) -> Optional[List[Tuple[int, List[int], torch.Tensor]]]:
+        """(EP rank, rows per EP rank [ep], send order on the host) of every rank whose rows `up`
+        returns: this rank alone, or with S2 its TP group. From this rank's placement where the
+        TP group lies in its ep_esp group (one placement for all); None where it spans several
+        (`_peers` exchanges them)."""
+        state, tp = self.state, self.state.tp
+        ranks = [state.ep_esp.rank] if self.piece_rows is None or tp.size == 1 else None
+        if ranks is None and set(tp.ranks) <= set(state.ep_esp.ranks):
+            ranks = [state.ep_esp.ranks.index(r) for r in tp.ranks]
+        if ranks is None:
+            return None
+        return [(source // state.esp_size, placement.send_splits(source),
+                 torch.argsort(placement.destinations(source), stable=True)) for source in ranks]
+
     def _peers(self, device) -> List[Tuple[int, List[int], torch.Tensor]]:
-        """(EP rank, rows per EP rank [ep], send order) of every rank whose rows `up` returns:
-        this rank alone, or with S2 its TP group (exchanged once: placements differ per ep_esp group)."""
-        own = (self.state.ep.rank, self.per_ep, self.send_order)
-        tp = self.state.tp
-        if self.piece_rows is None or tp.size == 1:
-            return [own]
-        ep = len(self.per_ep)
-        local = torch.cat([torch.tensor(self.per_ep, dtype=torch.long, device=device), self.send_order])
+        """`_local_peers` where the TP group spans several ep_esp groups (placements differ per
+        ep_esp group): exchanged over tp, the rows per EP rank read on the host (a host sync)."""
+        tp, ep = self.state.tp, len(self.per_ep)
+        local = torch.cat([upload([torch.tensor(self.per_ep, dtype=torch.long)], device)[0], self.send_order])
         gathered = C.all_gather_v(local, tp, [ep + n for n in self.piece_rows], kind=ROUTING_KIND)
-        peers = []
-        for rank, meta in zip(tp.ranks, gathered.split([ep + n for n in self.piece_rows])):
-            peers.append((self.state.layout.coords(rank)["ep"], meta[:ep].tolist(), meta[ep:]))
-        return peers
+        metas = gathered.split([ep + n for n in self.piece_rows])
+        splits = to_host(torch.stack([meta[:ep] for meta in metas]), "saa peers").tolist()  # [tp][ep]
+        return [(self.state.layout.coords(rank)["ep"], rows, meta[ep:])
+                for rank, rows, meta in zip(tp.ranks, splits, metas)]
 
     def _phased_up(self, out: torch.Tensor, in_flight: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """SAA (Fig. 5): phase i receives EP rank (p - i)'s shards' partial sums, combines them and
@@ -263,30 +283,39 @@ class ParmSchedule(Schedule):
     def source_ep_ranks(self) -> List[int]:
         return [source // self.state.esp_size for source in range(self.state.ep_esp.size)]
 
-    def _gather_counts(self, local: torch.Tensor) -> torch.Tensor:
-        """local [..., E] (ours) -> Long[ep*esp, ..., E] on the CPU: every ep_esp source's counts."""
+    def _gather_counts(self, local: torch.Tensor, kept: Optional[torch.Tensor] = None):
+        """local [..., E] (ours) -> Long[ep*esp, ..., E] on the host: every ep_esp source's counts;
+        with `kept` (Long[E] on the device) also its host copy, read with them: one host read."""
         gathered = C.all_gather(local.reshape(1, -1), self.state.ep_esp, kind=COUNTS_KIND)
-        return gathered.view((-1,) + tuple(local.shape)).cpu()
+        gathered = gathered.view((-1,) + tuple(local.shape))
+        if kept is None:
+            return to_host(gathered, "counts")
+        return tuple(to_host_all([gathered, kept], "counts"))
 
     def _token_split(self, router: Router, routing: Routing, tokens: torch.Tensor, sizes: List[int],
                      counts: torch.Tensor) -> ParmRouted:
-        """S1 from this TP rank's routed tokens; `counts` Long[S, E] of every source's piece."""
-        slots = _kept_slots(routing.expert_ids, routing.kept)
+        """S1 from this TP rank's routed tokens; `counts` Long[S, E] (host) of every source's piece."""
+        slots = _kept_slots(routing.expert_ids, routing.kept, int(counts[self.state.ep_esp.rank].sum()))
         return ParmRouted(routing, counts, "s1", tokens, routing.weights, slots, None, sizes,
                           routing.dropped_of_counts())
 
     def _expert_split(self, router: Router, routing: Routing, x: torch.Tensor,
-                      counts: Optional[torch.Tensor] = None) -> ParmRouted:
+                      counts: Optional[torch.Tensor] = None, kept_host: Optional[torch.Tensor] = None) -> ParmRouted:
         """S2 step 2 from the whole micro-batch's routing: chunk t of every expert's assignments.
-        `counts` (every source's chunk counts) is gathered here unless given."""
+        `counts` (every source's chunk counts, host) and `kept_host` (the micro-batch's kept
+        assignments per expert, host) are read here unless given (one host read)."""
         tp = self.state.tp
-        slots = _kept_slots(routing.expert_ids, routing.kept)
-        chunks = _expert_chunks(routing.expert_ids.flatten()[slots], router.num_experts, tp.size)  # [tp, E]
-        kept = chunks.sum(0)
+        kept = kept_counts(routing.expert_ids, routing.kept, router.num_experts)  # [E] on the device
+        chunks = _expert_chunks(kept, tp.size)  # [tp, E] on the device
+        if counts is None:
+            counts, kept_host = self._gather_counts(chunks[tp.rank], kept)
+        kept_host = kept_host.tolist()
+        m = sum(kept_host)
+        piece_rows = [sum(c // tp.size + (t < c % tp.size) for c in kept_host) for t in range(tp.size)]  # chunks' rows
+        slots = _kept_slots(routing.expert_ids, routing.kept, m)
         starts = _exclusive_cumsum(kept) + torch.cumsum(chunks, 0) - chunks  # [tp, E] in `slots`
-        slots = slots[_block_index(starts.flatten(), chunks.flatten())]  # TP pieces, experts ascending
-        counts = self._gather_counts(chunks[tp.rank]) if counts is None else counts
-        return ParmRouted(routing, counts, "s2", x, routing.weights, slots, chunks.sum(1).tolist(), None,
+        slots = slots[_block_index(starts.flatten(), chunks.flatten(), m)]  # TP pieces, experts ascending
+        return ParmRouted(routing, counts, "s2", x, routing.weights, slots, piece_rows, None,
                           routing.dropped_of_counts())
 
     def uses_saa(self, routed: ParmRouted) -> bool:
@@ -307,7 +336,7 @@ class ParmSchedule(Schedule):
         exchange.in_flight, exchange.backward_fill = self.hooks.in_flight(), self.backward_fill()
         p = self.state.ep.rank
         batch = ExpertBatch(_Exchange.apply(self._rows(routed), exchange, "down"), placement.experts_on(p),
-                            placement.expert_counts(p))
+                            placement.expert_counts(p), exchange.expert_counts)
         return batch, (routed, exchange)
 
     def combine(self, expert_output: torch.Tensor, ctx: Tuple[ParmRouted, EpEspExchange]) -> torch.Tensor:
@@ -349,10 +378,9 @@ class ParmSchedule(Schedule):
                         placement.num_replicas)
 
 
-def _expert_chunks(kept_ids: torch.Tensor, num_experts: int, parts: int) -> torch.Tensor:
-    """S2's MP-Split: kept assignments' expert ids -> Long[parts, E], expert e's m_e assignments
-    dealt in contiguous chunks (m_e / parts each, the first m_e % parts parts one more)."""
-    kept = torch.bincount(kept_ids, minlength=num_experts)  # [E]
+def _expert_chunks(kept: torch.Tensor, parts: int) -> torch.Tensor:
+    """S2's MP-Split: kept assignments per expert Long[E] -> Long[parts, E], expert e's m_e
+    assignments dealt in contiguous chunks (m_e / parts each, the first m_e % parts parts one more)."""
     ranks = torch.arange(parts, device=kept.device).unsqueeze(1)
     return kept // parts + (ranks < kept % parts).long()
 
@@ -370,7 +398,7 @@ class S1(ParmSchedule):
         sizes, _, _ = _tp_piece(self.state, x.shape[0])
         piece = C.split_v_autograd(x, self.state.tp, sizes)  # MP-Split [n_t, h]
         routing = _route_tp_piece(router, piece, x.shape[0], self.state.tp)
-        local = torch.bincount(routing.expert_ids[routing.kept], minlength=router.num_experts)
+        local = kept_counts(routing.expert_ids, routing.kept, router.num_experts)
         return self._token_split(router, routing, piece, sizes, self._gather_counts(local))
 
 
@@ -387,6 +415,7 @@ class AutoRouted(Routed):
     router: Router
     x: torch.Tensor  # [n, h] the replicated micro-batch
     counts_s1: torch.Tensor  # Long[S, E] every source's S1 token-piece counts (`counts`: S2's chunks)
+    kept: torch.Tensor  # Long[E] on the host: the micro-batch's kept assignments per expert
     chosen: Optional[ParmRouted] = None  # set by `place`
 
 
@@ -403,13 +432,12 @@ class Auto(ParmSchedule):
 
     def route(self, router: Router, x: torch.Tensor) -> AutoRouted:
         routing = router(x)  # replicated over tp: every TP rank knows every candidate's counts
-        ids = routing.expert_ids.masked_fill(~routing.kept, -1)  # [n, k], -1 = dropped
         _, start, end = _tp_piece(self.state, x.shape[0])
-        kept_ids = ids[ids >= 0]
-        s1 = torch.bincount(ids[start:end][ids[start:end] >= 0], minlength=router.num_experts)
-        s2 = _expert_chunks(kept_ids, router.num_experts, self.state.tp_size)[self.state.tp.rank]
-        counts = self._gather_counts(torch.stack([s1, s2]))  # [S, 2, E]
-        return AutoRouted(routing, counts[:, 1], router, x, counts[:, 0])
+        kept = kept_counts(routing.expert_ids, routing.kept, router.num_experts)  # [E]
+        s1 = kept_counts(routing.expert_ids[start:end], routing.kept[start:end], router.num_experts)
+        s2 = _expert_chunks(kept, self.state.tp_size)[self.state.tp.rank]
+        counts, kept = self._gather_counts(torch.stack([s1, s2]), kept)  # [S, 2, E], [E]: one host read
+        return AutoRouted(routing, counts[:, 1], router, x, counts[:, 0], kept)
 
     def place(self, routed: AutoRouted, balancer) -> Placement:
         sources = self.source_ep_ranks()
@@ -417,7 +445,7 @@ class Auto(ParmSchedule):
         choice = self._choose(routed.x, placements)
         routing, x, router, state = routed.routing, routed.x, routed.router, self.state
         if choice == "s2":
-            routed.chosen = self._expert_split(router, routing, x, routed.counts)
+            routed.chosen = self._expert_split(router, routing, x, routed.counts, routed.kept)
         else:
             sizes, start, end = _tp_piece(state, x.shape[0])
             piece = Routing(routing.expert_ids[start:end], C.split_v_autograd(routing.weights, state.tp, sizes),
@@ -431,8 +459,9 @@ class Auto(ParmSchedule):
         state = self.state
         assignments = torch.tensor([dispatched_assignments(placements[c].tokens_per_ep_rank(), state.tp_size,
                                                            state.esp_size) for c in ("s1", "s2")], dtype=torch.float64)
-        if self.reduce_over_tp:
-            C.all_reduce(assignments, state.tp, op="max", kind=CHOICE_KIND)
+        if self.reduce_over_tp:  # [2] on tp's device (NCCL: the GPU), back to the host for the pick
+            assignments = to_host(C.all_reduce(state.tp.to_device(assignments), state.tp, op="max", kind=CHOICE_KIND),
+                                  "auto choice")
         return choose_schedule(self.profile, x.shape[0], x.shape[1], float(assignments[0]), state.tp_size,
                                state.esp_size, self.cfg.moe.saa, assignments_s2=float(assignments[1]))
 

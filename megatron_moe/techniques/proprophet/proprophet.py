@@ -1,15 +1,18 @@
-"""Pro-Prophet's planner (Wang et al., §III locality, §IV lightweight placements, Alg. 1;
+"""Pro-Prophet's planner (Wang et al., §II-B locality, §IV-A lightweight placements, §IV-C Alg. 1;
 `moe.balancer: proprophet`).
 
 A *lightweight placement* maps each expert to a subset of EP ranks ("devices"); a device that
 holds a replica of expert e computes its own sources' rows of e locally (the owner's weights come
-by *Trans*, the gradients go back by *Agg*, `moe/replicas.py`). The rows of e are split among e's
-devices so that their loads level out (integer water-filling, lowest load first), and each device
-fills its share with its own sources' rows before it receives any: rows travel only where the
-balance needs them (`moe.proprophet.rows: balanced`, default). `rows: local` is the paper's §4.2:
-every device with a replica computes exactly its own sources' rows of e ("its local inputs routed
-to these experts could be computed locally"), the owner the rows of the devices without one. The greedy search of Alg. 1, per layer, on T [D, E] (rows each
-device's sources route to each expert):
+by *Trans*, the gradients go back by *Agg*, `moe/replicas.py`). `moe.proprophet.rows: local`
+(default) is the paper's (§IV-A, Fig. 6b): every device with a replica computes exactly its own
+sources' rows of e ("its local inputs routed to these experts could be computed locally"), the
+owner the rows of the devices without one. `rows: balanced` is ours: the rows of e are split among
+e's devices so that their loads level out (integer water-filling, lowest load first), and each
+device fills its share with its own sources' rows before it receives any, so rows travel only
+where the balance needs them. (The functions below take `rows`; their default, balanced, is what
+`benchmarks/proprophet_planner.py` and the plan-quality figures measure; the balancer passes the
+configured one.) The greedy search of Alg. 1, per layer, on T [D, E] (rows each device's sources
+route to each expert):
 
     H, R = owner-only loads;  T_out = T'(R, H, 0)                       lines 1-4 (Eq. 6 / Eq. 8)
     while not balanced (Eq. 7: max H - min H < alpha I / E):            line 5
@@ -27,7 +30,7 @@ the lowest T' (ties: the heavier), and stop (lines 7-8's `break`) when that devi
 optimum at worst, this 1.08; `tests/unit/test_proprophet.py`.) The cost model is
 `techniques/proprophet/proprophet_model.py`.
 
-Locality (§III): the plan for the next forwards is searched on this forward's distribution
+Locality (§II-B, Fig. 4; §IV-C): the plan for the next forwards is searched on this forward's distribution
 (`observe`, the `Plan` primitive), every `moe.proprophet.plan_interval` iterations, and reused in
 between; `plan` applies the plan in force to the current counts (so the routing table is always
 exact) and searches on the current counts only when there is no plan yet (the first forward).
@@ -53,6 +56,7 @@ from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 from megatron_moe.perf.hardware import PROFILE_NEEDS
+from megatron_moe.distributed.parallel_state import SIDE_CHANNELS
 
 Selection = Tuple[int, Tuple[int, ...]]  # (expert, its devices: owner first, then ascending)
 
@@ -96,10 +100,11 @@ class Loads:
         return self.on_device.T
 
     def moved(self, e: int, devices: np.ndarray) -> "Move":
-        """Expert e computed on `devices` (Int[k], owner first). Balanced rows: its rows are
-        water-filled over them (each device's share levels the loads), and each device takes its
-        share from its own sources' rows first. Local rows (§4.2): each device computes its own
-        sources' rows of e, the owner the rest (the rows of devices without a replica)."""
+        """Expert e computed on `devices` (Int[k], owner first). Local rows (the paper's, §IV-A,
+        Fig. 6b): each device computes its own sources' rows of e, the owner the rest (the rows of
+        devices without a replica). Balanced rows: its rows are water-filled over them (each
+        device's share levels the loads), and each device takes its share from its own sources'
+        rows first."""
         if self.local_rows:
             share = self.by_expert[e][devices].copy()
             share[0] = self.total[e] - share[1:].sum()
@@ -203,7 +208,7 @@ def predicted_time(T: np.ndarray, model: ProphetCostModel, chosen: Sequence[Sele
     return model.layer(loads.H, loads.R, sum(len(devices) - 1 for _, devices in chosen))
 
 
-def exhaustive_search(T: np.ndarray, model: ProphetCostModel) -> Tuple[float, List[Selection]]:
+def exhaustive_search(T: np.ndarray, model: ProphetCostModel, rows: str = "balanced") -> Tuple[float, List[Selection]]:
     """The reference Alg. 1 is measured against (tests, `benchmarks/proprophet_planner.py`): every
     lightweight placement, each expert on its owner plus any subset of the devices with rows of it
     (applied in expert order) -> (lowest T', its selections). Exponential: E <= 6, D <= 3."""
@@ -217,14 +222,15 @@ def exhaustive_search(T: np.ndarray, model: ProphetCostModel) -> Tuple[float, Li
     best: Tuple[float, List[Selection]] = (float("inf"), [])
     for combo in itertools.product(*options):
         chosen = [(e, devices) for e, devices in enumerate(combo) if len(devices) > 1]
-        best = min(best, (predicted_time(T, model, chosen), chosen), key=lambda pair: pair[0])
+        best = min(best, (predicted_time(T, model, chosen, rows), chosen), key=lambda pair: pair[0])
     return best
 
 
-def ratios_to_optimum(cases: int, seed: int = 0, skew: float = 1.2) -> List[float]:
+def ratios_to_optimum(cases: int, seed: int = 0, skew: float = 1.2, rows: str = "balanced") -> List[float]:
     """Alg. 1's T' over `exhaustive_search`'s on `cases` random small cases (D in {2, 3}, E / D in
     {1, 2}, Zipf(`skew`) popularity, exponential per-device volumes, replica costs 4 to 80
-    elements): the plan-quality figure of the tests and `benchmarks/proprophet_planner.py`."""
+    elements), both with `rows`: the plan-quality figure of the tests and
+    `benchmarks/proprophet_planner.py`."""
     rng = random.Random(seed)
     ratios = []
     for _ in range(cases):
@@ -235,10 +241,10 @@ def ratios_to_optimum(cases: int, seed: int = 0, skew: float = 1.2) -> List[floa
         T = np.array([[int(rng.expovariate(1.0) * 20 * p) for p in popularity] for _ in range(D)], dtype=np.int64)
         model = ProphetCostModel(row_elements=4, params_per_expert=rng.choice([4.0, 20.0, 80.0]),
                                  seconds_per_row=1.0, seconds_per_element=0.05, fnec_seconds=0.0)
-        chosen = greedy_search(T, model, alpha=0.0)
-        if predicted_time(T, model, chosen) > predicted_time(T, model, []) + 1e-9:
+        chosen = greedy_search(T, model, alpha=0.0, rows=rows)
+        if predicted_time(T, model, chosen, rows) > predicted_time(T, model, [], rows) + 1e-9:
             raise AssertionError(f"Alg. 1 planned worse than no placement on {T.tolist()}")
-        ratios.append(predicted_time(T, model, chosen) / exhaustive_search(T, model)[0])
+        ratios.append(predicted_time(T, model, chosen, rows) / exhaustive_search(T, model, rows)[0])
     return ratios
 
 
@@ -282,7 +288,7 @@ def lightweight_placement(counts: torch.Tensor, source_ep_ranks: Sequence[int], 
     return Placement(tuple(replicas), torch.from_numpy(table))
 
 
-ROWS = ("balanced", "local")
+ROWS = ("local", "balanced")  # moe.proprophet.rows: the paper's (§IV-A, Fig. 6b, the default), ours
 
 
 def check_proprophet_config(cfg) -> None:
@@ -328,7 +334,7 @@ class ProProphet(Balancer):
         return lightweight_placement(counts, source_ep_ranks, self.ep_size, chosen, self.rows)
 
     def observe(self, counts: torch.Tensor, source_ep_ranks: List[int]) -> None:
-        """`Plan` (§V): every `plan_every` training forwards, search on this forward's counts for
+        """`Plan` (§IV-C): every `plan_every` training forwards, search on this forward's counts for
         the forwards after it; `last_plan_seconds` is the search time (0 when none ran)."""
         self.last_plan_seconds = 0.0
         if self.forwards % self.plan_every == 0:
@@ -345,7 +351,7 @@ class ProProphet(Balancer):
 
 def non_moe_flops_per_token(cfg, state) -> float:
     """Forward FLOPs per token of one block's non-MoE part on one rank (attention projections and
-    scores, and the dense FFNs of `layer_freq - 1` layers), for T_FNEC (§V-B)."""
+    scores, and the dense FFNs of `layer_freq - 1` layers), for T_FNEC (§V-C, Eq. 8; static, §V-B)."""
     m = cfg.model
     h, s, tp = m.hidden_size, m.seq_length, state.tp_size
     attention = 2 * 4 * h * h / tp + 2 * 2 * s * h / tp
@@ -365,6 +371,14 @@ def _check_proprophet(cfg, world_size: int) -> None:
                                   "in [0, moe.num_experts]")]:
         if not ok:
             raise ConfigError(f"moe.proprophet.{key}={value} must be {rule}")
+
+
+@SIDE_CHANNELS.register("proprophet")
+def _side_channels(cfg) -> list:
+    """Trans / Agg (moe/replicas.py), with the block-wise scheduler or without, travel on a side
+    channel of ``ep``: in flight while the all-to-alls run, they never queue ahead of them on NCCL
+    (SubTrans during block i's FEC / FNEC, SubAgg during its backward: Alg. 2 lines 7, 9, 12-15)."""
+    return ["ep"] if cfg.moe.balancer == "proprophet" else []
 
 
 @PROFILE_NEEDS.register("proprophet")

@@ -12,7 +12,9 @@ Operations (`perf/hardware.py`), x = elements (fp32 values) in the convention of
 * saa:             S2's second EP&ESP-AlltoAll as SAA (`EpEspExchange`, techniques/parm/parm.py):
                    x elements of partial sums per rank, phased over `ep_esp`, with the MP-AllGather
                    of the combined rows on `tp` overlapped;
-* p2p:             x elements exchanged between EP ranks 2i and 2i+1 of `ep` (both directions);
+* p2p:             x elements exchanged between EP ranks 2i and 2i+1 of `ep` (both directions; the
+                   last of an odd group idles, so every rank warms `ep` up first, `warm_up_p2p`:
+                   NCCL's first batched point-to-point call on a communicator must include all);
 * broadcast:       x elements broadcast from EP rank 0 to the others (FasterMoE's shadow transfer);
 * expert_compute:  one expert FFN forward (the model's shape, `ExpertShape`) of x FLOPs on each rank.
 
@@ -41,13 +43,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_moe.distributed import collectives as C
-from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.distributed.parallel_state import ParallelState, warm_up_p2p
 from megatron_moe.perf.alpha_beta import AlphaBeta, fit_alpha_beta
 from megatron_moe.model.pipeline_stages import STAGE_HOOKS
 from megatron_moe.perf.hardware import (OPS, ClusterSpec, ExpertShape, HardwareProfile, Link, expert_shape, load_profile,
                                        profile_needs, save_profile)
 from megatron_moe.perf import timing
-from megatron_moe.perf.rank_timing import slowest_rank_seconds
+from megatron_moe.distributed.rank_timing import slowest_rank_seconds
 
 WIDTH = 64  # elements per row
 Points = Dict[str, Tuple[List[int], List[float]]]  # op -> (x, seconds); x = [] on a group of one rank
@@ -99,6 +101,7 @@ def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
         recv = torch.empty_like(send)
         peer = ep.rank ^ 1
         pairs = ([(peer, send)], [(peer, recv)]) if peer < ep.size else ([], [])
+        warm_up_p2p(ep)  # the pairs leave the last rank of an odd group out
         return send.numel(), lambda: C.p2p_exchange(*pairs, ep, kind="p2p").wait()
 
     def broadcast(elements):
@@ -144,7 +147,8 @@ def _link_builders(state: ParallelState, device: torch.device):
     """The cluster block's collectives (`perf/hardware.py` LINK_KINDS) on the world group, each
     size -> (x in the cluster convention, callable): all-to-all x = elements a rank sends to the
     others (evenly), all-gather x = gathered elements, all-reduce / broadcast / reduce x = the
-    tensor's elements, p2p x = elements world ranks 2i and 2i+1 send each other."""
+    tensor's elements, p2p x = elements world ranks 2i and 2i+1 send each other (warmed up as
+    `_builders`' p2p)."""
     world, n = state.world, state.world_size
 
     def tensor(elements, parts=1):
@@ -164,6 +168,7 @@ def _link_builders(state: ParallelState, device: torch.device):
         send = tensor(elements)
         recv, peer = torch.empty_like(send), world.rank ^ 1
         pairs = ([(peer, send)], [(peer, recv)]) if peer < n else ([], [])
+        warm_up_p2p(world)  # as `_builders`' p2p
         return send.numel(), lambda: C.p2p_exchange(*pairs, world, kind="p2p").wait()
 
     def whole(op):
