@@ -56,11 +56,10 @@ def trainer_for(args, state, overlap: bool, tmp: str) -> Trainer:
     sync, sums = trainer.grads.sync, []
     trainer.dp_sums = sums
 
-    def timed_sync():  # the dp sums' exposed and total seconds of this step, read when sync is done
-        exposed, total = C.COMM_STATS.exposed[KEY], C.COMM_STATS.seconds[KEY]
-        sync()
-        sums.append((float(C.COMM_STATS.exposed[KEY]) - float(exposed),
-                     float(C.COMM_STATS.seconds[KEY]) - float(total)))
+    def timed_sync():  # the dp sums' exposed and total time of this step: Durations, read after the loop
+        exposed, total = C.COMM_STATS.exposed[KEY], C.COMM_STATS.seconds[KEY]  # (reading them in the
+        sync()  # timed step would make the host wait for the buckets' events on a GPU)
+        sums.append((exposed, C.COMM_STATS.exposed[KEY], total, C.COMM_STATS.seconds[KEY]))
 
     trainer.grads.sync = timed_sync
     return trainer
@@ -81,8 +80,10 @@ def main(argv=None) -> int:
             for overlap, trainer in trainers.items():
                 watch = timing.Stopwatch(trainer.device)
                 record = trainer.train_step(iteration)
-                rows[overlap].append((watch.seconds(), *trainer.dp_sums[-1], C.COMM_STATS.bytes[KEY],
+                rows[overlap].append((watch.seconds(), trainer.dp_sums[-1], C.COMM_STATS.bytes[KEY],
                                       trainer.grads.started_in_backward, record["loss"]))
+    rows = {overlap: [(t, float(e1) - float(e0), float(t1) - float(t0), *rest) for t, (e0, e1, t0, t1), *rest in steps]
+            for overlap, steps in rows.items()}  # the dp sums' seconds, read once the steps are done
     if state.rank != 0:
         return 0
 

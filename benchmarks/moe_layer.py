@@ -351,7 +351,7 @@ def sum_over_ranks(counters: dict, state) -> dict:
     """{key: int} of this rank -> the same keys summed over every rank (keys of all ranks)."""
     keys = sorted(set().union(*C.all_gather_object(sorted(counters), state.world)))
     totals = torch.tensor([counters.get(k, 0) for k in keys], dtype=torch.int64)
-    return dict(zip(keys, C.all_reduce(totals, state.world).tolist()))
+    return dict(zip(keys, C.all_reduce(state.world.to_device(totals), state.world).tolist()))
 
 
 def main(argv=None) -> int:
@@ -443,7 +443,8 @@ def main(argv=None) -> int:
                              "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3)}
             continue
         timed = [C.resolved(t) for t in comm_times[name][args.warmup:] or comm_times[name]]
-        load = C.all_reduce(loads[name].double(), state.edp)  # [ep] rows per EP rank, all ep_esp groups
+        # [ep] rows per EP rank, all ep_esp groups
+        load = C.all_reduce(state.edp.to_device(loads[name].double()), state.edp)
         results[name] = {
             "ms_median": round(medians[name], 3), "speedup_vs_baseline": round(medians["baseline"] / medians[name], 3),
             "bytes": dict(sorted(bytes_[name].items())), "bytes_all_ranks": sum_over_ranks(bytes_[name], state),

@@ -220,18 +220,20 @@ def step_hf_autocast(model, optimizer, tokens, labels):
 
 
 def peak_bytes(step, model, optimizer, tokens, labels) -> int:
-    """Peak bytes held by tensors during one `step`: what the model and optimizer hold before it
-    (parameters, optimizer state, main gradients), plus the peak of the step's allocations minus
-    frees (profiler memory events on the CPU; the CUDA allocator's peak on a GPU)."""
-    if tokens.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(tokens.device)
-        step(model, optimizer, tokens, labels)
-        return torch.cuda.max_memory_allocated(tokens.device)
+    """Peak bytes held by tensors during one `step` of this side: what the model and optimizer hold
+    before it (parameters, optimizer state, main gradients), plus the peak of the step's allocations
+    minus frees (profiler memory events on the CPU; on a GPU the allocator's peak above what was
+    allocated before the step, so the other sides' tensors on the same GPU do not count)."""
     optimizer.zero_grad(set_to_none=True)
     main_grads = getattr(getattr(optimizer, "main_grads", None), "buffers", [])
     held = [*model.parameters(), *main_grads,
             *[v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    if tokens.device.type == "cuda":
+        before = torch.cuda.memory_allocated(tokens.device)
+        torch.cuda.reset_peak_memory_stats(tokens.device)
+        step(model, optimizer, tokens, labels)
+        return sum(storages.values()) + torch.cuda.max_memory_allocated(tokens.device) - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step(model, optimizer, tokens, labels)
     running = peak = 0  # allocations are the ops' own (self) usage, frees "[memory]" events

@@ -2,7 +2,7 @@
 
 On a GPU, reading device data on the host (`.item()`, `.tolist()`, `.cpu()`, `int()` / `bool()` /
 `float()` of a tensor, `nonzero`, `bincount`, `unique`, boolean-mask indexing, `torch.equal`, a
-tensor-valued `repeat_interleave` without `output_size`, ...) blocks the host until the GPU has
+tensor-valued `repeat_interleave` without `output_size`, `np.asarray(t)`, a tensor in an f-string, ...) blocks the host until the GPU has
 caught up. On the CPU all tensors live in one place, so `HostReads` tells device data apart by
 where it came from: a tensor is device data when it is computed (by any torch function, in place
 or not) from device data, and the sources of device data are the tensors passed to `HostReads`
@@ -28,7 +28,9 @@ from torch.utils._pytree import tree_flatten
 from megatron_moe.perf import host_sync
 
 _T = torch.Tensor
-READS = {_T.item, _T.tolist, _T.numpy, _T.cpu, _T.__bool__, _T.__int__, _T.__float__, _T.__index__}
+# `__array__`: numpy of a tensor (np.asarray(t)); `__format__`: a tensor in an f-string
+READS = {_T.item, _T.tolist, _T.numpy, _T.cpu, _T.__array__, _T.__format__, _T.__bool__, _T.__int__, _T.__float__,
+         _T.__index__}
 IMPLICIT = {torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere, torch.bincount, _T.bincount, torch.unique,
             _T.unique, torch.unique_consecutive, _T.unique_consecutive, torch.masked_select, _T.masked_select,
             torch.equal, _T.equal}

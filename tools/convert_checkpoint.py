@@ -26,7 +26,8 @@ from megatron_moe.training.failures import CheckpointError
 def _paths(p) -> None:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
-    p.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    p.add_argument("--force", action="store_true",
+                   help="replace a non-empty --output (reshard --consolidated overwrites its file anyway)")
 
 
 def main(argv=None) -> int:

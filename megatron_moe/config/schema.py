@@ -213,7 +213,7 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # root: iter_<k>/ directories + `latest` (docs/checkpoints.md); null = <run_dir>/checkpoints
-    save_interval: int = 0  # save every N iterations and after the last (0 = never)
+    save_interval: int = 0  # save every N iterations and after the last (0 = never periodically; a stop signal still saves)
     keep_last: int = 2  # complete checkpoints kept (0 = all)
     load: Optional[str] = None  # null | auto (this run's newest complete under dir) | a checkpoint path
 

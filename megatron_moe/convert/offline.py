@@ -97,6 +97,9 @@ def _replace_output(out: str) -> Iterator[str]:
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the output owner-only, unlike makedirs
     try:
         yield tmp
     except BaseException:

@@ -25,7 +25,8 @@ from megatron_moe.data.tokenizers import TokenizerSpec
 from megatron_moe.perf import timing
 
 HF_FORMATS = {".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".arrow": "arrow"}
-DOCUMENT_FORMATS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow")  # documents under json keys
+# documents under json keys: json lines, and every HF_FORMATS format but plain text
+DOCUMENT_FORMATS = (".jsonl", ".ndjson", *(ext for ext in HF_FORMATS if ext != ".txt"))
 
 
 class InputError(ValueError):

@@ -125,6 +125,7 @@ EP2 = ["parallel.expert=2", PROFILE]
 JOBS = {2: [("handmade", {}, []),
             ("dp2-edp2-fp32", {}, []),
             ("dp2-edp2-bf16", {}, ["training.precision=bf16"]),
+            ("dp2-edp2-capacity", {}, ["moe.capacity_factor=1.0"]),  # capacity mode: rows over capacity dropped
             # replicas' Agg into expert gradients at the end of backward, all-to-alls on ep meanwhile
             ("ep2-fastermoe-recompute", dict(expert=2), EP2 + [
                 "moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1", "training.recompute=full"]),
@@ -172,7 +173,8 @@ def _check_trainer_runs(ranks, name):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["dp2-edp2-fp32", "dp2-edp2-bf16", "ep2-fastermoe-recompute", "ep2-eplb-partitions"])
+@pytest.mark.parametrize("name", ["dp2-edp2-fp32", "dp2-edp2-bf16", "dp2-edp2-capacity", "ep2-fastermoe-recompute",
+                                  "ep2-eplb-partitions"])
 def test_overlapped_training_equals_plain_bitwise_two_ranks(name):
     _check_trainer_runs(_results(2), name)
 

@@ -1,6 +1,6 @@
 """A clean stop of a local sweep leaves a clean log (issue #43 item 12): SIGTERM to `tools/sweep.py
-run` mid-run stops the run at an iteration boundary with a checkpoint, the launcher exits 0, and
-the run's sweep.log ends with the stop line, without torchrun's `SignalException` traceback."""
+run` mid-run stops the run at an iteration boundary with a checkpoint: the run's launcher exits 0 (its
+recorded exit code), the sweep tool exits 130 (it was stopped), and the run's sweep.log ends with the stop line, without torchrun's `SignalException` traceback."""
 import json
 import signal
 import subprocess

@@ -31,15 +31,20 @@ def _attention(dropout: float = 0.0, recompute: bool = False, device: str = "cpu
     return attn.to(device)
 
 
-@pytest.fixture
-def no_repeat(monkeypatch):
-    """Force the fused path and make any repeat of K/V an error."""
+def refuse_repeat(patcher) -> None:
+    """Make any repeat of K/V (the method or the function) an error under `patcher`."""
     def refuse(*args, **kwargs):
         raise AssertionError("repeat_interleave on the fused attention path")
 
+    patcher.setattr(torch.Tensor, "repeat_interleave", refuse)
+    patcher.setattr(torch, "repeat_interleave", refuse)
+
+
+@pytest.fixture
+def no_repeat(monkeypatch):
+    """Force the fused path and make any repeat of K/V an error."""
     monkeypatch.setattr(SelfAttention, "fused", lambda self, q: True)
-    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
-    monkeypatch.setattr(torch, "repeat_interleave", refuse)
+    refuse_repeat(monkeypatch)
 
 
 def _run(attn, x, padding_mask=None):
@@ -70,7 +75,7 @@ def test_fused_path_equals_the_cpu_path_without_repeating_kv(monkeypatch):
     want = [_run(attn, x), _run(attn, x, padding)]
     monkeypatch.setattr(SelfAttention, "fused", lambda self, q: True)
     with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: (_ for _ in ()).throw(AssertionError("repeat")))
+        refuse_repeat(m)
         got = [_run(attn, x), _run(attn, x, padding)]
     for (y, grads), (y_want, grads_want) in zip(got, want):
         torch.testing.assert_close(y, y_want, rtol=1e-5, atol=1e-6)
@@ -118,7 +123,7 @@ def test_cuda_attention_is_one_sdpa_call_on_unrepeated_kv(dtype, monkeypatch):
     gpu = _attention(0.5, device="cuda").eval().to(dtype)
     x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(5))
     want = _run(cpu.to(dtype).float(), x)[0]
-    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    refuse_repeat(monkeypatch)
     got = _run(gpu, x.to("cuda", dtype))[0]
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float().cpu(), want, **tol)
