@@ -2,7 +2,8 @@
 # `make test PY=python` (any interpreter) uses that one and creates no .venv (the launch scripts
 # would pick an empty one: scripts/python_env.sh).
 # torch==2.13.0 is installed first (CPU build) so nothing pulls a CUDA build.
-# `make demo ARGS="moe.top_k=1 training.train_iters=20"` passes config overrides to the demo run.
+# `make demo ARGS="moe.top_k=1 training.train_iters=20"` passes config overrides to the demo run; it saves
+# a checkpoint after its last iteration in runs/demo/checkpoints (tools/generate.py, docs/evaluation.md).
 VENV_PY := .venv/bin/python
 ifdef VIRTUAL_ENV
 PY := python
@@ -25,7 +26,7 @@ $(VENV_PY):
 	@touch .setup-stamp
 
 demo: setup
-	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo $(ARGS)
+	$(PY) pretrain_gpt_moe.py --config configs/gpt_moe_tiny.yaml training.run_dir=runs/demo checkpoint.save_interval=100 $(ARGS)
 
 # the CPU suite (gloo processes), on the CPU even on a GPU node; the gpu-marked tests are left to
 # test-gpu, the full multi-node set to test-cluster (its two smoke tests run here too).

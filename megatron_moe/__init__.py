@@ -9,4 +9,12 @@ def __getattr__(name):
         from megatron_moe.inference import load_model
 
         return load_model
+    if name == "generate":  # KV-cache decoding (megatron_moe/generation.py)
+        from megatron_moe.generation import generate
+
+        return generate
+    if name == "load_checkpoint_tokenizer":  # the tokenizer a checkpoint carries (training/checkpoint_tokenizer.py)
+        from megatron_moe.training.checkpoint_tokenizer import load_checkpoint_tokenizer
+
+        return load_checkpoint_tokenizer
     raise AttributeError(name)

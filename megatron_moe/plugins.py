@@ -7,6 +7,9 @@ the registrations missing. Add a module here when it registers something.
 # registries and entries of the shared floors
 import megatron_moe.data.tokenizers  # noqa: F401  (TOKENIZERS, "data.tokenizer.type")
 import megatron_moe.model.attention  # noqa: F401  ("model.attention")
+import megatron_moe.model.mtp  # noqa: F401  ("model.mtp_depth")
+import megatron_moe.model.transformer  # noqa: F401  ("moe.layer_pattern")
+import megatron_moe.model.mla  # noqa: F401  (ATTENTIONS: "mla")
 import megatron_moe.moe.balancers.base  # noqa: F401  (BALANCERS: "none", "moe.balancer")
 import megatron_moe.moe.layer  # noqa: F401  (FFN_LAYERS: "moe")
 import megatron_moe.moe.router  # noqa: F401  (GATES: "softmax", "moe.gate", "moe.router")
@@ -30,5 +33,7 @@ import megatron_moe.training.checkpoint  # noqa: F401  ("checkpoint")
 import megatron_moe.training.distributed_optimizer  # noqa: F401  ("optimizer.distributed")
 import megatron_moe.training.lr  # noqa: F401  (LR_SCHEDULES, "optimizer.lr_schedule")
 import megatron_moe.training.pipeline_schedules  # noqa: F401  (PIPELINE_SCHEDULES, "parallel.pipeline_schedule")
+# evaluation
+import megatron_moe.evaluation.during_training  # noqa: F401  ("evaluation", TRAINING_EVALS)
 # conversion
 import megatron_moe.convert.export_check  # noqa: F401  (EXPORT_CHECKS: "hf", `--check-config --export-family`)

@@ -14,7 +14,9 @@ Math (one data-parallel micro-batch of n tokens, E experts, top-k):
   accepted fewer than C (a choice's rank among the token's k does not matter).
   y_t = sum over accepted choices of weight * expert_e(x_t);
   expert_e(v) = act(v w1[e] + b1[e]) w2[e] + b2[e], act = exact GeLU; for SwiGLU w1[e] [h, 2, f]
-  and b1[e] [2, f] hold the gate ([:, 0]) and up ([:, 1]) projections: silu(gate) * up.
+  and b1[e] [2, f] hold the gate ([:, 0]) and up ([:, 1]) projections: silu(gate) * up; swiglu_oss
+  (gpt-oss, `moe.activation`): (clamp(up, -L, L) + 1) * g sigmoid(1.702 g), g = min(gate, L).
+  `moe.router_bias`: p_t = softmax(W_r x_t + b_r); biases b1 / b2 iff `moe.expert_proj_bias` (null = model.bias).
   aux = aux_coeff * E * sum_e (#choices of e / (n k)) * mean_t p_t,e + z_coeff * mean_t logsumexp(W_r x_t)^2.
 Variants (router.py, shared_expert.py): sigmoid scores s_t,e = sigmoid(W_r x_t)_e (p_t = s_t / sum_e s_t,e
 for the aux loss); choices by s + expert bias (weights from s); group-limited: only experts of the
@@ -47,12 +49,17 @@ def _gelu(v: torch.Tensor) -> torch.Tensor:
     return 0.5 * v * (1.0 + torch.erf(v / math.sqrt(2.0)))
 
 
-def _expert(v: torch.Tensor, e: int, weights: Dict[str, torch.Tensor], activation: str) -> torch.Tensor:
+def _expert(v: torch.Tensor, e: int, weights: Dict[str, torch.Tensor], activation: str, limit: float = 7.0
+            ) -> torch.Tensor:
     bias = weights["experts.b1"][e] if "experts.b1" in weights else torch.zeros_like(weights["experts.w1"][e][0])
-    if activation == "swiglu":
+    if activation in ("swiglu", "swiglu_oss"):
         gate = v @ weights["experts.w1"][e][:, 0] + bias[0]
         up = v @ weights["experts.w1"][e][:, 1] + bias[1]
-        hidden = gate * torch.sigmoid(gate) * up
+        if activation == "swiglu":
+            hidden = gate * torch.sigmoid(gate) * up
+        else:
+            gate, up = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
+            hidden = (up + 1) * gate * torch.sigmoid(1.702 * gate)
     else:
         hidden = _gelu(v @ weights["experts.w1"][e] + bias)
     out = hidden @ weights["experts.w2"][e]
@@ -119,7 +126,7 @@ def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config
     moe = cfg.moe
     n, num_experts, k = x.shape[0], moe.num_experts, moe.top_k
     router = weights["router.weight"]
-    logits = [router @ x[t] for t in range(n)]
+    logits = [router @ x[t] + weights.get("router.bias", 0.0) for t in range(n)]
     sigmoid = moe.score_function == "sigmoid"
     scores = [torch.sigmoid(logit) if sigmoid else torch.softmax(logit, dim=0) for logit in logits]
     probs = [score / score.sum() for score in scores] if sigmoid else scores  # for the aux loss
@@ -141,7 +148,7 @@ def reference_moe(x: torch.Tensor, weights: Dict[str, torch.Tensor], cfg: Config
             kept_count[e] += 1
             kept[-1].append(e)
             weight = (scores[t][e] / total if norm else scores[t][e]) * moe.topk_scaling_factor
-            out = out + weight * _expert(x[t], e, weights, cfg.model.activation)
+            out = out + weight * _expert(x[t], e, weights, moe.activation or cfg.model.activation, moe.swiglu_limit)
         if "shared_expert.mlp.fc1.weight" in weights:
             out = out + _shared(x[t], weights, cfg.model.activation)
         outputs.append(out)
@@ -157,14 +164,16 @@ def random_full_weights(cfg: Config, seed: int, router_std: float = 1.0, bias_st
     """Full (unsharded) MoE layer weights with O(1) activations, keyed like MoELayer.named_parameters()."""
     m, num_experts = cfg.model, cfg.moe.num_experts
     ffn = cfg.moe.expert_ffn_hidden_size or m.ffn_hidden_size
-    units = (2, ffn) if m.activation == "swiglu" else (ffn,)
+    units = (2, ffn) if (cfg.moe.activation or m.activation) in ("swiglu", "swiglu_oss") else (ffn,)
     gen = torch.Generator().manual_seed(seed)
     full = {
         "router.weight": torch.randn(num_experts, m.hidden_size, generator=gen) * router_std,
         "experts.w1": torch.randn(num_experts, m.hidden_size, *units, generator=gen) / math.sqrt(m.hidden_size),
         "experts.w2": torch.randn(num_experts, ffn, m.hidden_size, generator=gen) / math.sqrt(ffn),
     }
-    if m.bias:
+    if cfg.moe.router_bias:
+        full["router.bias"] = torch.randn(num_experts, generator=gen) * bias_std
+    if m.bias if cfg.moe.expert_proj_bias is None else cfg.moe.expert_proj_bias:
         full["experts.b1"] = torch.randn(num_experts, *units, generator=gen) * bias_std
         full["experts.b2"] = torch.randn(num_experts, m.hidden_size, generator=gen) * bias_std
     moe = cfg.moe
@@ -172,10 +181,11 @@ def random_full_weights(cfg: Config, seed: int, router_std: float = 1.0, bias_st
         full["router.expert_bias"] = torch.randn(num_experts, generator=gen) * 0.3
     if moe.shared_expert_ffn_hidden_size:
         f = moe.shared_expert_ffn_hidden_size
-        full["shared_expert.mlp.fc1.weight"] = torch.randn(*units[:-1], f, m.hidden_size, generator=gen) / math.sqrt(m.hidden_size)
+        gates = (2,) if m.activation == "swiglu" else ()  # the shared expert's: model.activation
+        full["shared_expert.mlp.fc1.weight"] = torch.randn(*gates, f, m.hidden_size, generator=gen) / math.sqrt(m.hidden_size)
         full["shared_expert.mlp.fc2.weight"] = torch.randn(m.hidden_size, f, generator=gen) / math.sqrt(f)
         if m.bias:
-            full["shared_expert.mlp.fc1.bias"] = torch.randn(*units[:-1], f, generator=gen) * bias_std
+            full["shared_expert.mlp.fc1.bias"] = torch.randn(*gates, f, generator=gen) * bias_std
             full["shared_expert.mlp.fc2.bias"] = torch.randn(m.hidden_size, generator=gen) * bias_std
         if moe.shared_expert_gate:
             full["shared_expert.gate"] = torch.randn(1, m.hidden_size, generator=gen)

@@ -3,7 +3,7 @@
 
     reshard    --input CKPT --output OUT --tensor T --expert E --expert-shard S [--force]
     reshard    --input CKPT --output FILE.safetensors --consolidated
-    export-hf  --input CKPT --output HF_DIR [--family mixtral|qwen2_moe|qwen3_moe|olmoe] [--max-shard-mb N]
+    export-hf  --input CKPT --output HF_DIR [--family mixtral|qwen2_moe|qwen3_moe|olmoe|gpt_oss] [--max-shard-mb N]
                [--precision fp32|bf16] [--force]   (default precision: the run's training.precision)
     import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [--num-experts N [--top-k K]] [--allow-unused]
                [--force] [section.key=value ...]

@@ -12,6 +12,20 @@ from typing import Any, List, Optional
 
 
 @dataclass
+class RopeScalingConfig:
+    """Rotary frequency scaling (HF `rope_scaling` / `rope_parameters`; model/rotary.py)."""
+
+    type: str = "none"  # none | yarn (YaRN, Peng et al. 2023: DeepSeek-V3, gpt-oss)
+    factor: float = 1.0  # context extension factor s
+    original_max_position_embeddings: int = 4096  # the pretraining context YaRN extends
+    beta_fast: float = 32.0  # YaRN's alpha / beta ramp bounds (rotations per context)
+    beta_slow: float = 1.0
+    mscale: float = 1.0  # DeepSeek: attention factor 0.1 mscale ln(s) + 1 (cos / sin scaled by mscale / mscale_all_dim)
+    mscale_all_dim: float = 0.0  # DeepSeek-V3 MLA: softmax scale x (0.1 mscale_all_dim ln(s) + 1)^2; 0 = off
+    truncate: bool = True  # gpt-oss: false keeps the ramp bounds unrounded
+
+
+@dataclass
 class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
@@ -33,6 +47,23 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = True  # output layer shares the input embedding
     binary_head: str = "sop"  # BERT only: sop (sentence order) | nsp (next sentence) | none
+    # registry model.attention: standard (MHA / GQA, model/attention.py) | mla (multi-head latent
+    # attention, DeepSeek-V2 §2.1 / V3 §2.1.1, model/mla.py: the five keys below)
+    attention: str = "standard"
+    q_lora_rank: Optional[int] = None  # MLA: query down-projection rank; null = a full-rank query projection
+    kv_lora_rank: Optional[int] = None  # MLA: compressed key/value latent width d_c (required with mla)
+    qk_nope_head_dim: Optional[int] = None  # MLA: per-head query/key width without rotary (required with mla)
+    qk_rope_head_dim: Optional[int] = None  # MLA: per-head decoupled rotary query/key width (required with mla)
+    v_head_dim: Optional[int] = None  # MLA: per-head value width (required with mla)
+    rotary_percent: float = 1.0  # rotary on the first this fraction of each head's dims (GLM-4.5: 0.5)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    attention_output_bias: Optional[bool] = None  # bias of the attention output projection; null = model.bias
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in each softmax denominator
+    sliding_window: Optional[int] = None  # keys within this many positions (query's included); null = full
+    # per layer: full_attention | sliding_attention (HF's names); null = sliding everywhere when
+    # model.sliding_window is set (gpt-oss: alternating, sliding first)
+    layer_types: Optional[List[str]] = None
+    mtp_depth: int = 0  # multi-token prediction modules D (DeepSeek-V3 §2.2, model/mtp.py); 0 = off
 
 
 @dataclass
@@ -97,9 +128,15 @@ class MoEConfig:
     top_k: int = 2  # 1 = Switch, 2 = GShard
     capacity_factor: Optional[float] = None  # null = dropless
     layer_freq: int = 1  # every Nth transformer layer's FFN is an MoE layer (layer index % N == N-1)
+    first_k_dense: int = 0  # the first k layers are dense whatever layer_freq says (DeepSeek's first_k_dense_replace)
+    layer_pattern: Optional[List[int]] = None  # per layer 1 = MoE, 0 = dense (replaces layer_freq / first_k_dense)
     aux_loss_coeff: float = 0.01  # Switch/GShard load-balancing loss
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     expert_ffn_hidden_size: Optional[int] = None  # null = model.ffn_hidden_size
+    activation: Optional[str] = None  # experts' activation: null = model.activation | swiglu_oss (gpt-oss's clamped SwiGLU)
+    swiglu_limit: float = 7.0  # swiglu_oss: gate clamped to <= limit, up to [-limit, limit]
+    router_bias: bool = False  # gpt-oss: a learned bias on the router's logits
+    expert_proj_bias: Optional[bool] = None  # biases of the experts' projections; null = model.bias
     score_function: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
     norm_topk_prob: Optional[bool] = None  # scale the k chosen scores to sum to 1; null = when top_k > 1
     topk_scaling_factor: float = 1.0  # combine weights x this (DeepSeek-V3's routed_scaling_factor)
@@ -166,6 +203,7 @@ class TrainingConfig:
     on_nonfinite: str = "skip"  # NaN/Inf loss or grad norm: skip (drop the update, count it) | stop (exit 3)
     recompute: str = "none"  # activation recomputation: none | selective (core attention) | full (every layer)
     compile: bool = False  # torch.compile (TorchInductor) each layer's dense compute (model/compile.py)
+    mtp_loss_weight: float = 0.1  # multi-token prediction: lambda / D x the sum of the D depths' losses (DeepSeek-V3 Eq. 25)
     # TEST ONLY: make the loss NaN at this iteration on the last pipeline stage's first rank (0 = never)
     inject_nan_at: int = 0
 
@@ -226,6 +264,16 @@ class LoggingConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    # lm-evaluation-harness tasks run on the model during training (docs/evaluation.md); [] = never
+    lm_eval_tasks: List[str] = field(default_factory=list)
+    lm_eval_interval: int = 0  # run them every N iterations (0 = after the last only)
+    lm_eval_include_path: Optional[str] = None  # directory of extra task YAMLs (configs/eval_tasks)
+    lm_eval_limit: Optional[int] = None  # at most this many samples per task; null = all
+    lm_eval_batch_size: int = 8
+
+
+@dataclass
 class PerfConfig:
     # hardware profile YAML (alpha-beta costs, configs/hardware/) for `moe.schedule: auto` and
     # `moe.balancer: fastermoe`; null = calibrate on the ranks at start-up (cached per machine and layout)
@@ -244,3 +292,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)

@@ -29,7 +29,9 @@ SECTION_CHECKS: Hooks = Hooks("config section check", (
     "moe.proprophet", "moe.flexmoe", "moe.eplb", "perf.hardware_profile",
     "moe.topology_gate",  # after parallel.ranks_per_node
     "model.attention", "moe.router", "moe.shared_expert",  # the architecture, after the degrees divide the world
+    "moe.layer_pattern", "model.mtp_depth",  # dense / MoE layers by position (model/transformer.py), MTP (model/mtp.py)
     "parallel.pipeline_schedule", "optimizer.distributed", "optimizer.overlap_grad_reduce",  # after the batch sizes
+    "evaluation",  # lm-eval tasks during training (evaluation/during_training.py)
     "checkpoint",  # last
 ))
 _SELECTION_AND_TECHNIQUES = SECTION_CHECKS.order[:SECTION_CHECKS.order.index("moe.topology_gate")]
@@ -78,6 +80,20 @@ def expert_ffn_hidden_size(cfg: Config) -> int:
     return cfg.moe.expert_ffn_hidden_size or cfg.model.ffn_hidden_size
 
 
+EXPERT_ACTIVATIONS = ("gelu", "swiglu", "swiglu_oss")  # moe.activation (model/mlp.py `ffn_activation`)
+GATED = ("swiglu", "swiglu_oss")  # activations of (gate, up) halves: first projections [.., 2, f]
+
+
+def expert_activation(cfg: Config) -> str:
+    """The experts' activation: `moe.activation`, null = `model.activation`."""
+    return cfg.moe.activation or cfg.model.activation
+
+
+def expert_proj_bias(cfg: Config) -> bool:
+    """Whether the experts' projections have biases b1 / b2: `moe.expert_proj_bias`, null = `model.bias`."""
+    return cfg.model.bias if cfg.moe.expert_proj_bias is None else cfg.moe.expert_proj_bias
+
+
 def validate_config(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first rule `cfg` breaks on `world_size` processes (after filling the
     derived null keys of a config not built by `load_config`: `resolve_defaults`)."""
@@ -97,6 +113,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"moe.capacity_factor={moe.capacity_factor} must be > 0 (or null for dropless)")
     if moe.expert_ffn_hidden_size is not None and moe.expert_ffn_hidden_size < 1:
         raise ConfigError(f"moe.expert_ffn_hidden_size={moe.expert_ffn_hidden_size} must be >= 1 or null")
+    if moe.activation is not None and moe.activation not in EXPERT_ACTIVATIONS:
+        raise ConfigError(f"moe.activation={moe.activation!r} must be null (model.activation) or one of "
+                          f"{', '.join(EXPERT_ACTIVATIONS)}")
+    if moe.swiglu_limit <= 0:
+        raise ConfigError(f"moe.swiglu_limit={moe.swiglu_limit} must be > 0")
     _run_checks(cfg, world_size, _SELECTION_AND_TECHNIQUES)
     if par.ranks_per_node is not None and (par.ranks_per_node < 1 or world_size % par.ranks_per_node):
         raise ConfigError(f"parallel.ranks_per_node={par.ranks_per_node} must be >= 1 and divide the world size {world_size}")
@@ -112,11 +133,12 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"parallel.expert*parallel.expert_shard={par.expert}*{par.expert_shard} does not divide the "
             f"{stage_size} ranks of a pipeline stage (world size {world_size} / parallel.pipeline)")
-    _run_checks(cfg, world_size, ("model.attention", "moe.router", "moe.shared_expert"))
+    _run_checks(cfg, world_size, ("model.attention", "moe.router", "moe.shared_expert", "moe.layer_pattern",
+                                  "model.mtp_depth"))
     _divides("parallel.tensor", par.tensor, "model.ffn_hidden_size", m.ffn_hidden_size)
     ffn_key = "moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
     _divides("parallel.expert_shard", par.expert_shard, ffn_key, expert_ffn_hidden_size(cfg))
-    if m.bias:  # the experts' output bias b2 [E, h] is sharded over ESP along h (moe/experts.py)
+    if expert_proj_bias(cfg):  # the experts' output bias b2 [E, h] is sharded over ESP along h (moe/experts.py)
         _divides("parallel.expert_shard", par.expert_shard, "model.hidden_size", m.hidden_size)
 
     dp = stage_size // par.tensor
@@ -137,7 +159,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(opt, key) < 1.0:
             raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in [0, 1)")
-    _run_checks(cfg, world_size, ("checkpoint",))
+    _run_checks(cfg, world_size, ("evaluation", "checkpoint"))
 
 
 def validate_placement(cfg: Config, placement) -> Optional[int]:

@@ -13,8 +13,10 @@ checkpoints; transformers loads it directly):
                                                 [group, (q_1 .. q_{heads/G} | k | v), d] (attention.py)
     layers.i.attention.q_norm / k_norm      <-> self_attn.q_norm / k_norm (`model.qk_norm`)
     layers.i.attention.proj.weight          <-> self_attn.o_proj.weight
+    layers.i.attention.proj.bias, .sinks    <-> self_attn.o_proj.bias, self_attn.sinks [heads] (gpt-oss)
     layers.i.ffn_norm.weight                <-> model.layers.i.post_attention_layernorm.weight
-    layers.i.ffn.router.weight [E, h]       <-> <moe>.gate.weight
+    layers.i.ffn.router.weight [E, h]       <-> <moe>.gate.weight (gpt-oss: Family.moe_to_hf / moe_from_hf map
+                                                its router and fused experts, hf_gpt_oss.py)
     layers.i.ffn.experts.w1 [E, h, 2, f]    <-> <moe>.experts.j.<gate> = w1[j][:, 0]^T, <up> = w1[j][:, 1]^T
     layers.i.ffn.experts.w2 [E, f, h]       <-> <moe>.experts.j.<down> = w2[j]^T
     layers.i.ffn.shared_expert.mlp.fc1 / fc2 <-> mlp.shared_expert.gate_proj, up_proj / down_proj (Qwen2-MoE)
@@ -33,11 +35,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from megatron_moe.config.schema import Config
+from megatron_moe.convert.hf_rope import rope_parameters, rope_scaling_overrides
 
 Tensors = Dict[str, torch.Tensor]
 INDEX = "model.safetensors.index.json"
@@ -54,24 +57,51 @@ class Family:
     hf_config: Callable[[Config], dict]
     overrides: Callable[[dict], List[str]]  # config.json -> our dotted overrides
     extra: dict = field(default_factory=dict)
+    allows: Tuple[str, ...] = ()  # keys of check_shape's common rules this family has (its `check` rules them)
+    shared_expert: str = "shared_expert"  # module of the shared expert under mlp. (DeepSeek, GLM: shared_experts)
+    # hooks of families with more than the standard layer (hf_deepseek.py): attention (cfg, ours, src, dst) ->
+    # HF (name, tensor)s and (cfg, hf, src, dst) -> ours; `mtp_to_hf(cfg, outer)` / `mtp_from_hf(cfg, reader)`:
+    # the multi-token prediction modules; `tensor_overrides(reader)`: overrides that depend on the tensors held
+    attention_to_hf: Optional[Callable] = None
+    attention_from_hf: Optional[Callable] = None
+    mtp_to_hf: Optional[Callable] = None
+    mtp_from_hf: Optional[Callable] = None
+    tensor_overrides: Optional[Callable] = None
+    # fused router + experts (hf_gpt_oss.py): (cfg, ours, "layers.i.", "model.layers.i.<moe_prefix>.") -> HF
+    # (name, tensor)s and (cfg, hf, "model.layers.i.<moe_prefix>.", "layers.i.") -> ours
+    moe_to_hf: Optional[Callable] = None
+    moe_from_hf: Optional[Callable] = None
 
 
 def check_shape(family: Family, cfg: Config) -> None:
     """Raise ValueError naming the first option that has no equivalent in `family`."""
     m, moe = cfg.model, cfg.moe
-    common = [
-        (m.normalization == "rmsnorm", f"model.normalization={m.normalization} ({family.architecture} uses rmsnorm)"),
-        (m.activation == "swiglu", f"model.activation={m.activation} ({family.architecture} uses swiglu)"),
-        (m.position_embedding == "rope", f"model.position_embedding={m.position_embedding} (rope expected)"),
-        (not m.bias, "model.bias=true (no biases but the Qwen2-MoE q/k/v ones: model.qkv_bias)"),
-        (moe.capacity_factor is None, f"moe.capacity_factor={moe.capacity_factor} (HF MoE models are dropless)"),
-        (moe.score_function == "softmax", f"moe.score_function={moe.score_function} (softmax expected)"),
-        (not moe.expert_bias, "moe.expert_bias=true (no expert bias in this family)"),
-        (moe.router_groups == 1, f"moe.router_groups={moe.router_groups} (no group-limited routing in this family)"),
-        (moe.topk_scaling_factor == 1.0, f"moe.topk_scaling_factor={moe.topk_scaling_factor} (1.0 expected)"),
-        (moe.gate == "softmax", f"moe.gate={moe.gate} (changes routing)"),
-    ]
-    for ok, what in common + family.check(cfg):
+    common = {
+        "model.normalization": (m.normalization == "rmsnorm", f"model.normalization={m.normalization} ({family.architecture} uses rmsnorm)"),
+        "model.activation": (m.activation == "swiglu", f"model.activation={m.activation} ({family.architecture} uses swiglu)"),
+        "model.position_embedding": (m.position_embedding == "rope", f"model.position_embedding={m.position_embedding} (rope expected)"),
+        "model.bias": (not m.bias, "model.bias=true (no biases but the Qwen2-MoE q/k/v ones: model.qkv_bias)"),
+        "moe.capacity_factor": (moe.capacity_factor is None, f"moe.capacity_factor={moe.capacity_factor} (HF MoE models are dropless)"),
+        "moe.score_function": (moe.score_function == "softmax", f"moe.score_function={moe.score_function} (softmax expected)"),
+        "moe.expert_bias": (not moe.expert_bias, "moe.expert_bias=true (no expert bias in this family)"),
+        "moe.router_groups": (moe.router_groups == 1, f"moe.router_groups={moe.router_groups} (no group-limited routing in this family)"),
+        "moe.topk_scaling_factor": (moe.topk_scaling_factor == 1.0, f"moe.topk_scaling_factor={moe.topk_scaling_factor} (1.0 expected)"),
+        "moe.gate": (moe.gate == "softmax", f"moe.gate={moe.gate} (changes routing)"),
+        "model.attention": (m.attention == "standard", f"model.attention={m.attention} (standard attention in this family)"),
+        "model.rotary_percent": (m.rotary_percent == 1.0, f"model.rotary_percent={m.rotary_percent} (rotary on whole heads in this family)"),
+        "model.rope_scaling": (m.rope_scaling.type == "none", f"model.rope_scaling.type={m.rope_scaling.type} (no rope scaling in this family)"),
+        "model.mtp_depth": (m.mtp_depth == 0, f"model.mtp_depth={m.mtp_depth} (no multi-token prediction in this family)"),
+        "moe.first_k_dense": (moe.first_k_dense == 0, f"moe.first_k_dense={moe.first_k_dense} (no first-k dense layers in this family)"),
+        "moe.layer_pattern": (moe.layer_pattern is None, f"moe.layer_pattern={moe.layer_pattern} (no per-layer pattern in this family)"),
+        "model.attention_output_bias": (not m.attention_output_bias, "model.attention_output_bias=true (no o_proj bias in this family)"),
+        "model.attention_sinks": (not m.attention_sinks, "model.attention_sinks=true (no attention sinks in this family)"),
+        "model.sliding_window": (m.sliding_window is None, f"model.sliding_window={m.sliding_window} (no sliding-window attention in this family)"),
+        "moe.router_bias": (not moe.router_bias, "moe.router_bias=true (no router bias in this family)"),
+        "moe.expert_proj_bias": (not moe.expert_proj_bias, "moe.expert_proj_bias=true (no expert projection biases in this family)"),
+        "moe.activation": (moe.activation in (None, "swiglu"), f"moe.activation={moe.activation} (swiglu experts in this family)"),
+    }
+    rules = [rule for key, rule in common.items() if key not in getattr(family, "allows", ())]
+    for ok, what in rules + family.check(cfg):
         if not ok:
             raise ValueError(f"not {family.architecture}-shaped: {what}")
 
@@ -104,24 +134,27 @@ def base_hf_config(family: Family, cfg: Config) -> dict:
     }
 
 
-def base_overrides(hf: dict) -> List[str]:
-    """Overrides from the keys every MoE family shares; refuses what we lack, naming the field."""
-    return model_overrides(hf) + [f"moe.top_k={hf['num_experts_per_tok']}", "moe.capacity_factor=null",
+def base_overrides(hf: dict, **allow) -> List[str]:
+    """Overrides from the keys every MoE family shares; refuses what we lack, naming the field
+    (`allow`: model_overrides' flags)."""
+    return model_overrides(hf, **allow) + [f"moe.top_k={hf['num_experts_per_tok']}", "moe.capacity_factor=null",
                                   f"moe.aux_loss_coeff={float(hf.get('router_aux_loss_coef', 0.01))}"]
 
 
-def model_overrides(hf: dict) -> List[str]:
+def model_overrides(hf: dict, yarn: bool = False, mla: bool = False) -> List[str]:
     """`model.*` overrides from the keys every family, MoE or dense (hf_dense.py), shares; refuses
-    what we lack, naming the field."""
+    what we lack, naming the field (YaRN `rope_scaling` where `yarn`, multi-head latent attention's
+    ranks where `mla`: the family maps them)."""
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+    rope = rope_parameters(hf)
+    scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
+    if scaled and not yarn:
         raise ValueError(f"rope_scaling={hf.get('rope_scaling') or rope} is not supported (default rope only)")
     for key in ("q_lora_rank", "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3)
-        if hf.get(key):
+        if hf.get(key) and not mla:
             raise ValueError(f"{key}={hf[key]}: multi-head latent attention is not supported")
     if hf.get("use_sliding_window") or (hf.get("use_sliding_window") is None and hf.get("sliding_window")
                                        and hf["sliding_window"] < hf["max_position_embeddings"]):
@@ -137,7 +170,7 @@ def model_overrides(hf: dict) -> List[str]:
            f"model.init_std={float(hf.get('initializer_range', 0.02))}", "model.dropout=0.0"]
     if hf.get("head_dim") in (None, hf["hidden_size"] // heads) and hf["hidden_size"] % heads == 0:
         out[4] = "model.head_dim=null"
-    return out
+    return out + (rope_scaling_overrides(rope) if scaled else [])
 
 
 # -- tensors, one layer at a time ------------------------------------------------------------------
@@ -159,9 +192,12 @@ def _attention_to_hf(cfg: Config, ours: Tensors, src: str, dst: str) -> Iterator
         if src + f"attention.{norm}.weight" in ours:
             yield dst + f"self_attn.{norm}.weight", ours[src + f"attention.{norm}.weight"]
     yield dst + "self_attn.o_proj.weight", ours[src + "attention.proj.weight"]
+    for ours_name, name in (("proj.bias", "o_proj.bias"), ("sinks", "sinks")):  # gpt-oss: o bias, sinks [heads]
+        if src + "attention." + ours_name in ours:
+            yield dst + "self_attn." + name, ours[src + "attention." + ours_name]
 
 
-def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], src: str, dst: str) -> Tensors:
+def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], src: str, dst: str, hf_config=None) -> Tensors:
     """The config decides what is read (q/k/v biases iff `model.qkv_bias`): a bias the config lacks
     is left unused (HFReader.unused), one it needs and the checkpoint lacks is named."""
     from megatron_moe.model.attention import head_dim, query_groups
@@ -179,6 +215,10 @@ def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], src: str,
         if m.qk_norm != "none":
             out[dst + f"attention.{norm}.weight"] = hf(src + f"self_attn.{norm}.weight")
     out[dst + "attention.proj.weight"] = hf(src + "self_attn.o_proj.weight")
+    if m.attention_output_bias:
+        out[dst + "attention.proj.bias"] = hf(src + "self_attn.o_proj.bias")
+    if m.attention_sinks:
+        out[dst + "attention.sinks"] = hf(src + "self_attn.sinks")
     return out
 
 
@@ -193,13 +233,18 @@ def layer_to_hf(family: Family, cfg: Config, ours: Tensors, i: int) -> Iterator[
     """HF tensors of our layer i (`ours`: at least that layer's full weights)."""
     src, dst = f"layers.{i}.", f"model.layers.{i}."
     yield dst + "input_layernorm.weight", ours[src + "attention_norm.weight"]
-    yield from _attention_to_hf(cfg, ours, src, dst)
+    yield from (getattr(family, "attention_to_hf", None) or _attention_to_hf)(cfg, ours, src, dst)
     yield dst + "post_attention_layernorm.weight", ours[src + "ffn_norm.weight"]
     if src + "ffn.router.weight" not in ours:  # a dense layer
         yield from _mlp_to_hf(ours[src + "ffn.fc1.weight"], ours[src + "ffn.fc2.weight"], dst + "mlp.")
         return
     moe = dst + family.moe_prefix + "."
+    if family.moe_to_hf is not None:
+        yield from family.moe_to_hf(cfg, ours, src, moe)
+        return
     yield moe + "gate.weight", ours[src + "ffn.router.weight"]
+    if src + "ffn.router.expert_bias" in ours:  # DeepSeek-V3's aux-loss-free bias (a buffer in transformers)
+        yield moe + "gate.e_score_correction_bias", ours[src + "ffn.router.expert_bias"]
     w1, w2 = ours[src + "ffn.experts.w1"], ours[src + "ffn.experts.w2"]  # [E, h, 2, f], [E, f, h]
     gate, up, down = family.expert_names
     for j in range(w1.shape[0]):
@@ -209,23 +254,30 @@ def layer_to_hf(family: Family, cfg: Config, ours: Tensors, i: int) -> Iterator[
         yield e + down + ".weight", w2[j].t()
     if src + "ffn.shared_expert.mlp.fc1.weight" in ours:
         yield from _mlp_to_hf(ours[src + "ffn.shared_expert.mlp.fc1.weight"], ours[src + "ffn.shared_expert.mlp.fc2.weight"],
-                              dst + "mlp.shared_expert.")
+                              dst + f"mlp.{family.shared_expert}.")
     if src + "ffn.shared_expert.gate" in ours:
         yield dst + "mlp.shared_expert_gate.weight", ours[src + "ffn.shared_expert.gate"]
 
 
-def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor], i: int, is_moe: bool) -> Tensors:
-    """Our full weights of layer i from HF tensors (`hf(name)` reads one); the config decides which."""
+def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor], i: int, is_moe: bool,
+                  hf_config: dict = None) -> Tensors:
+    """Our full weights of layer i from HF tensors (`hf(name)` reads one); the config decides which
+    (and `hf_config`, config.json, how a family hook reads them)."""
     src, dst = f"model.layers.{i}.", f"layers.{i}."
     out = {dst + "attention_norm.weight": hf(src + "input_layernorm.weight"),
            dst + "ffn_norm.weight": hf(src + "post_attention_layernorm.weight")}
-    out.update(_attention_from_hf(cfg, hf, src, dst))
+    out.update((getattr(family, "attention_from_hf", None) or _attention_from_hf)(cfg, hf, src, dst, hf_config))
     if not is_moe:
         out[dst + "ffn.fc1.weight"] = torch.stack([hf(src + "mlp.gate_proj.weight"), hf(src + "mlp.up_proj.weight")])
         out[dst + "ffn.fc2.weight"] = hf(src + "mlp.down_proj.weight")
         return out
     moe, (gate, up, down) = src + family.moe_prefix + ".", family.expert_names
+    if family.moe_from_hf is not None:
+        out.update(family.moe_from_hf(cfg, hf, moe, dst))
+        return out
     out[dst + "ffn.router.weight"] = hf(moe + "gate.weight")
+    if cfg.moe.expert_bias:
+        out[dst + "ffn.router.expert_bias"] = hf(moe + "gate.e_score_correction_bias")
     e = moe + "experts.{}."
     num_experts = cfg.moe.num_experts
     gates = torch.stack([hf(e.format(j) + gate + ".weight").t() for j in range(num_experts)])  # [E, h, f]
@@ -233,7 +285,7 @@ def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor]
     out[dst + "ffn.experts.w1"] = torch.stack([gates, ups], dim=2)  # [E, h, 2, f]
     out[dst + "ffn.experts.w2"] = torch.stack([hf(e.format(j) + down + ".weight").t() for j in range(num_experts)])
     if cfg.moe.shared_expert_ffn_hidden_size:
-        shared = src + "mlp.shared_expert."
+        shared = src + f"mlp.{getattr(family, 'shared_expert', 'shared_expert')}."
         out[dst + "ffn.shared_expert.mlp.fc1.weight"] = torch.stack([hf(shared + "gate_proj.weight"),
                                                                      hf(shared + "up_proj.weight")])
         out[dst + "ffn.shared_expert.mlp.fc2.weight"] = hf(shared + "down_proj.weight")
@@ -256,6 +308,18 @@ def outer_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor]) -> Tensors:
     return out
 
 
+def import_overrides(family, reader: "HFReader") -> List[str]:
+    """config.json's overrides, then those that depend on the tensors the checkpoint holds."""
+    extra = getattr(family, "tensor_overrides", None)
+    return family.overrides(reader.config) + (extra(reader) if extra is not None else [])
+
+
+def mtp_from_hf(family, cfg: Config, reader: "HFReader") -> Tensors:
+    """Our multi-token prediction modules' weights (none where the family has none)."""
+    read = getattr(family, "mtp_from_hf", None)
+    return read(family, cfg, reader) if read is not None else {}
+
+
 # -- files ---------------------------------------------------------------------------------------
 def write_hf(path: str, family: Family, cfg: Config, outer: Tensors, layer: Callable[[int], Tensors],
              max_shard_bytes: int = 5 << 30, dtype: torch.dtype = torch.float32) -> None:
@@ -266,6 +330,9 @@ def write_hf(path: str, family: Family, cfg: Config, outer: Tensors, layer: Call
     writer = ShardWriter(path, max_shard_bytes, dtype)
     for i in range(cfg.model.num_layers):
         for name, tensor in layer_to_hf(family, cfg, layer(i), i):
+            writer.add(name, tensor)
+    if family.mtp_to_hf is not None:
+        for name, tensor in family.mtp_to_hf(family, cfg, outer):
             writer.add(name, tensor)
     for name, tensor in outer_to_hf(cfg, outer):
         writer.add(name, tensor)
@@ -315,13 +382,16 @@ class ShardWriter:
 
 
 def is_export(path: str) -> bool:
-    """Whether directory `path` holds one export of ours and nothing else: our index, config.json
-    and the shards the index lists (export-hf replaces such a directory without --force)."""
+    """Whether directory `path` holds one export of ours and nothing else: our index, config.json,
+    the shards the index lists and the tokenizer files (hf_tokenizer.FILES; export-hf replaces such
+    a directory without --force)."""
+    from megatron_moe.convert.hf_tokenizer import FILES
+
     try:
         with open(os.path.join(path, INDEX)) as f:
             index = json.load(f)
         return index["metadata"]["format"] == EXPORTED and \
-            set(os.listdir(path)) <= {INDEX, "config.json", *index["weight_map"].values()}
+            set(os.listdir(path)) <= {INDEX, "config.json", *FILES, *index["weight_map"].values()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -340,6 +410,10 @@ class ConfigJson(dict):
     def __missing__(self, key):
         needs = f", which a {self['model_type']} config needs" if "model_type" in self else ""
         raise ValueError(f"{self.path} has no {key!r}{needs}")
+
+
+class MissingTensor(ValueError):
+    """A tensor the HF checkpoint does not hold (HFReader.get)."""
 
 
 class HFReader:
@@ -381,14 +455,16 @@ class HFReader:
     def get(self, name: str, use: bool = True) -> torch.Tensor:
         """Tensor `name` (marked used unless `use` is false)."""
         if name not in self.weight_map:
-            raise ValueError(f"{self.path} has no tensor {name}")
+            raise MissingTensor(f"{self.path} has no tensor {name}")
         try:
             tensor = self.handles[self.weight_map[name]].get_tensor(name)
         except Exception as exc:  # SafetensorError: data past the end of a damaged file
             raise ValueError(f"{os.path.join(self.path, self.weight_map[name])}: cannot read {name}: {exc}") from None
         if use:
             self.used.add(name)
-        return tensor
+        from megatron_moe.convert.hf_fp8 import dequantize_read
+
+        return dequantize_read(self, name, tensor)  # FP8 block-quantized weights (DeepSeek-V3): bf16
 
     def unused(self) -> List[str]:
         return sorted(set(self.weight_map) - self.used)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Union
 
 from megatron_moe.convert.hf_common import Family
+from megatron_moe.convert.hf_deepseek import DEEPSEEK_V3, GLM4_MOE
 from megatron_moe.convert.hf_dense import LLAMA, MISTRAL, QWEN3, DenseFamily
+from megatron_moe.convert.hf_gpt_oss import GPT_OSS
 from megatron_moe.convert.hf_mixtral import MIXTRAL
 from megatron_moe.convert.hf_olmoe import OLMOE
 from megatron_moe.convert.hf_qwen_moe import QWEN2_MOE, QWEN3_MOE
 
-FAMILIES = {family.model_type: family for family in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)}
+FAMILIES = {family.model_type: family for family in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GPT_OSS, DEEPSEEK_V3,
+                                                          GLM4_MOE)}
 DENSE_FAMILIES = {family.model_type: family for family in (LLAMA, MISTRAL, QWEN3)}
 
 

@@ -8,7 +8,8 @@
   as that layer's dense FFN, the router as initialized from the seed; with top-k weights that sum
   to one (`moe.norm_topk_prob`, or top_k >= 2 by default) the MoE model computes exactly the
   dense model's function;
-* `export_hf` / `import_hf`: Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (`convert/hf_common.py`);
+* `export_hf` / `import_hf`: Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (`convert/hf_common.py`), gpt-oss
+  (`convert/hf_gpt_oss.py`, MXFP4 experts dequantized on import);
   export streams layer by layer into safetensors shards, import reads tensors lazily; import also
   takes dense Llama, Mistral and Qwen3 (`convert/hf_dense.py`), as they are or upcycled;
 * `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
@@ -21,6 +22,9 @@ non-empty output is refused unless `force` (export_hf: unless it holds an earlie
 Conversions work on full global tensors, so they need host memory for the whole checkpoint
 (`export_hf`: one layer's plus one output shard's).
 Parameter identities (global shape, sharding) come from building the single-process model.
+The checkpoint's `tokenizer/` copy is kept by `reshard`, `upgrade_swiglu` and `upcycle`; export_hf
+writes it as Hugging Face tokenizer files and import_hf copies an HF directory's
+(`convert/hf_tokenizer.py`); `consolidate`'s single file holds none.
 RNG states are dropped (they belong to ranks of the old layout); AdamW moments, step counts,
 iteration and consumed samples are kept by `reshard`; `upcycle` and `import_hf` start a fresh
 optimizer at iteration 0.
@@ -42,8 +46,9 @@ from megatron_moe.config import Config, load_config, validate_config
 from megatron_moe.config.load import to_yaml
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.inference import build_single_process_model
-from megatron_moe.training.checkpoint import (checkpoint_config, layout_dict, read_meta, resolve_checkpoint,
-                                              single_process_config, write_checkpoint_dir, NO_PIPELINE)
+from megatron_moe.training.checkpoint import (checkpoint_config, checkpoint_tokenizer_dir, layout_dict, read_meta,
+                                              resolve_checkpoint, single_process_config, write_checkpoint_dir,
+                                              NO_PIPELINE)
 from megatron_moe.training.checkpoint_files import ShardedEntry, full_entry, interleaved_swiglu_dim
 from megatron_moe.training.checkpoint_io import load_full, read_metadata
 
@@ -122,9 +127,10 @@ def _write_root(out_root: str, force: bool, write: Callable[[str], str]) -> str:
     return os.path.join(out_root, written)
 
 
-def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.Tensor], force: bool = False) -> str:
+def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.Tensor], force: bool = False,
+                           tokenizer=None) -> str:
     """Weights (param name -> full tensor) as a checkpoint at iteration 0 without optimizer state,
-    replacing `out_root` (a non-empty one only with `force`)."""
+    replacing `out_root` (a non-empty one only with `force`); `tokenizer` as write_checkpoint_dir takes it."""
     model = build_single_process_model(cfg)
     expected = {name: p for name, p in model.named_parameters()}
     if set(weights) != set(expected):
@@ -139,7 +145,8 @@ def write_model_checkpoint(out_root: str, cfg: Config, weights: Dict[str, torch.
         entries[f"model/{name}"] = full_entry(tensor.to(torch.float32).contiguous())
     meta = {"iteration": 0, "consumed_samples": 0, "layout": layout_dict(ParallelState.single_process()),
             "has_optimizer": False, "trainer": {}}
-    return _write_root(out_root, force, lambda root: write_checkpoint_dir(root, 0, entries, meta, to_yaml(cfg), None))
+    return _write_root(out_root, force, lambda root: write_checkpoint_dir(root, 0, entries, meta, to_yaml(cfg), None,
+                                                                          tokenizer=tokenizer))
 
 
 # -- reshard / consolidate ------------------------------------------------------------------------
@@ -181,7 +188,8 @@ def _write_layout(path: str, out_root: str, meta: dict, tensors: Dict[str, torch
     new_meta.pop("balancers", None)  # vExpert slots of the old layout: the new one starts from the owners'
 
     return _write_root(out_root, force, lambda root: write_checkpoint_dir(root, meta["iteration"], entries, new_meta,
-                                                                          to_yaml(cfg), None))
+                                                                          to_yaml(cfg), None,
+                                                                          tokenizer=checkpoint_tokenizer_dir(path)))
 
 
 # -- SwiGLU layout upgrade -------------------------------------------------------------------------
@@ -244,7 +252,8 @@ def upcycle(path: str, num_experts: int, out_root: str, top_k: Optional[int] = N
         raise ValueError(f"upcycle needs a dense checkpoint (moe.layer_freq > model.num_layers); "
                          f"layer {moe_layers[0]} is already MoE")
     target = checkpoint_config(path, SINGLE + upcycle_overrides(cfg, num_experts, top_k))
-    return write_model_checkpoint(out_root, target, upcycle_weights(dense, target), force)
+    return write_model_checkpoint(out_root, target, upcycle_weights(dense, target), force,
+                                  checkpoint_tokenizer_dir(path))
 
 
 def upcycle_overrides(dense: Config, num_experts: int, top_k: Optional[int] = None) -> List[str]:
@@ -258,27 +267,41 @@ def upcycle_overrides(dense: Config, num_experts: int, top_k: Optional[int] = No
 def upcycle_weights(dense: Dict[str, torch.Tensor], target: Config) -> Dict[str, torch.Tensor]:
     """The dense model's weights -> the upcycled model's (`target`): every expert of layer i = layer
     i's FFN, the routers as the model initializes them from the seed, the rest unchanged."""
+    from megatron_moe.config.validate import expert_activation, expert_proj_bias
+
     if target.moe.top_k > target.moe.num_experts:
         raise ValueError(f"--num-experts {target.moe.num_experts} is smaller than moe.top_k={target.moe.top_k}")
+    m = target.model
+    if expert_activation(target) != m.activation or expert_proj_bias(target) != m.bias:  # copies would compute another function
+        raise ValueError(f"upcycling copies the dense FFN into the experts, which needs the experts' activation and biases "
+                         f"to be the dense FFN's: moe.activation={target.moe.activation} and moe.expert_proj_bias="
+                         f"{target.moe.expert_proj_bias} against model.activation={m.activation}, model.bias={m.bias}")
     routers = {name: p.detach() for name, p in build_single_process_model(target).named_parameters()
-               if name.endswith("router.weight")}
+               if ".ffn.router." in name}  # router weights (and expert biases, zero) as initialized
     weights = {}
     for name, tensor in dense.items():
         prefix, _, leaf = name.partition(".ffn.")
-        if not leaf:
-            weights[name] = tensor
+        if not leaf or f"{prefix}.ffn.router.weight" not in routers:  # not an FFN, or one that stays dense
+            weights[name] = tensor  # (moe.first_k_dense)
             continue
         expert_name, per_expert = _UPCYCLE[leaf]
         weights[f"{prefix}.ffn.experts.{expert_name}"] = per_expert(tensor).unsqueeze(0).expand(
             target.moe.num_experts, *per_expert(tensor).shape).contiguous()
-        weights.setdefault(f"{prefix}.ffn.router.weight", routers[f"{prefix}.ffn.router.weight"])
+        weights.update({k: v for k, v in routers.items() if k.startswith(f"{prefix}.ffn.router.")})
     return weights
 
 
 # -- Hugging Face -------------------------------------------------------------------------------
 def guess_family(cfg: Config) -> str:
     """The HF family our config's shape names: QK-norm head -> qwen3_moe, full -> olmoe, a shared
-    expert -> qwen2_moe, else mixtral."""
+    expert -> qwen2_moe, else mixtral; attention sinks -> gpt_oss; multi-head latent attention ->
+    deepseek_v3, sigmoid scores (standard attention) -> glm4_moe."""
+    if cfg.model.attention_sinks:
+        return "gpt_oss"
+    if cfg.model.attention == "mla":
+        return "deepseek_v3"
+    if cfg.moe.score_function == "sigmoid":
+        return "glm4_moe"
     if cfg.model.qk_norm == "head":
         return "qwen3_moe"
     if cfg.model.qk_norm == "full":
@@ -296,6 +319,7 @@ def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_b
     export of ours (`hf_common.is_export`), or with `force` anything."""
     from megatron_moe.convert import hf_common as H
     from megatron_moe.convert.hf_families import family_of
+    from megatron_moe.convert.hf_tokenizer import export_tokenizer
     from megatron_moe.model.precision import PARAM_DTYPES
 
     check_output(out_dir, force, (path,), H.is_export)
@@ -315,6 +339,9 @@ def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_b
         H.write_hf(tmp, fam, cfg, load(lambda k: not k.startswith("model/layers.")),
                    lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes,
                    PARAM_DTYPES[precision])
+        missing = export_tokenizer(path, tmp, cfg.model.seq_length)
+    if missing:
+        print(f"export-hf: no tokenizer written: {missing}", file=sys.stderr)
 
 
 def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: List[str] = (),
@@ -329,21 +356,23 @@ def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: Li
     from megatron_moe.convert import hf_common as H
     from megatron_moe.convert.hf_dense import DenseFamily
     from megatron_moe.convert.hf_families import family_of, import_family_of
-    from megatron_moe.model.transformer import is_moe_layer
+    from megatron_moe.convert.hf_tokenizer import import_tokenizer
+    from megatron_moe.model.transformer import moe_layer_flags
 
     check_output(out_root, force, (hf_dir,))
     reader = H.HFReader(hf_dir)
     fam = import_family_of(reader.config["model_type"])
     if num_experts is not None and not isinstance(fam, DenseFamily):
         raise ValueError(f"--num-experts upcycles a dense model; {fam.architecture} is already MoE")
-    cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides))
+    cfg = load_config(base_config, H.import_overrides(fam, reader) + SINGLE + list(overrides))
     H.check_shape(fam, cfg)
     weights = H.outer_from_hf(cfg, reader.get)
     if cfg.model.tie_embeddings and reader.has("lm_head.weight") and \
             torch.equal(reader.get("lm_head.weight", use=False), weights["embedding.word.weight"]):
         reader.used.add("lm_head.weight")  # a stored copy of the tied embedding
     for i in range(cfg.model.num_layers):
-        weights.update(H.layer_from_hf(fam, cfg, reader.get, i, is_moe_layer(i, cfg.moe.layer_freq)))
+        weights.update(H.layer_from_hf(fam, cfg, reader.get, i, moe_layer_flags(cfg)[i], reader.config))
+    weights.update(H.mtp_from_hf(fam, cfg, reader))  # multi-token prediction modules (hf_deepseek.py)
     unused = reader.unused()
     what = f"{len(unused)} tensor{'s' if len(unused) > 1 else ''} the model does not use"
     if unused and not allow_unused:
@@ -352,8 +381,8 @@ def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: Li
     if unused:
         print(f"warning: skipping {what}: {', '.join(unused)}", file=sys.stderr)
     if num_experts is not None:
-        cfg = load_config(base_config, fam.overrides(reader.config) + SINGLE + list(overrides)
+        cfg = load_config(base_config, H.import_overrides(fam, reader) + SINGLE + list(overrides)
                           + upcycle_overrides(cfg, num_experts, top_k))
         H.check_shape(family_of(fam.upcycles_to), cfg)
         weights = upcycle_weights(weights, cfg)
-    return write_model_checkpoint(out_root, cfg, weights, force)
+    return write_model_checkpoint(out_root, cfg, weights, force, import_tokenizer(hf_dir))

@@ -18,7 +18,7 @@ from megatron_moe.data.gpt_dataset import parse_split
 from megatron_moe.data import indexed
 from megatron_moe.data.indexed import IndexedDataset
 from megatron_moe.data.preprocess import DOCUMENT_FORMATS
-from megatron_moe.data.tokenizers import TOKENIZERS, TokenizerSpec, recommended_vocab_size
+from megatron_moe.data.tokenizers import TOKENIZERS, TokenizerSpec, recommended_vocab_size, record_training_tokenizer
 
 
 def data_source(cfg: Config, sentences: bool = False) -> Tuple[List, TokenizerSpec]:
@@ -26,10 +26,12 @@ def data_source(cfg: Config, sentences: bool = False) -> Tuple[List, TokenizerSp
     corpus's sentence-level dataset (BERT)."""
     validate_data_config(cfg)
     if cfg.data.path is not None:
+        record_training_tokenizer(cfg, tokenizer_spec(cfg))  # every checkpoint carries a copy
         return data_path_items(cfg.data.path), tokenizer_spec(cfg)
     from megatron_moe.data.embedded_corpus import ensure_embedded_corpus
 
     corpus = ensure_embedded_corpus(cfg.data.cache_dir, vocab_size=cfg.data.embedded_vocab_size)
+    record_training_tokenizer(cfg, corpus.tokenizer)
     return [corpus.sentence_prefix if sentences else corpus.document_prefix], corpus.tokenizer
 
 

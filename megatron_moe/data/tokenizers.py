@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -81,6 +82,14 @@ class Tokenizer:
     mask = property(lambda self: self.special_ids["mask"])
     pad = property(lambda self: self.special_ids["pad"])
     eod = property(lambda self: self.special_ids["eod"])
+
+    def encode(self, text: str) -> List[int]:
+        """`tokenize(text)`: the ids training gave `text` (no eod appended)."""
+        return self.tokenize(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """`detokenize(ids)`."""
+        return self.detokenize(ids)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Inverse of `tokenize`; appended special tokens are rendered as their text."""
@@ -281,3 +290,66 @@ class TokenizerSpec:
 
     def build(self) -> Tokenizer:
         return build_tokenizer(self.type, self.vocab_file, self.merge_file, self.tokenizer_model)
+
+
+# -- the tokenizer a checkpoint carries (docs/checkpoints.md) ----------------------------------------
+CHECKPOINT_TOKENIZER = "tokenizer"  # subdirectory of a checkpoint: copies of the files + SPEC_FILE
+SPEC_FILE = "tokenizer_spec.json"
+HF_SPECIAL_MAP = "special_tokens_map.json"  # HuggingFaceTokenizer's declared specials, copied beside tokenizer.json
+# fixed names of the copies, by (type, TokenizerSpec field); other types keep their files' names
+_COPY_NAMES = {("GPT2BPETokenizer", "vocab_file"): "vocab.json", ("GPT2BPETokenizer", "merge_file"): "merges.txt",
+               ("BertWordPieceLowerCase", "vocab_file"): "vocab.txt", ("BertWordPieceCase", "vocab_file"): "vocab.txt",
+               ("SentencePieceTokenizer", "tokenizer_model"): "tokenizer.model",
+               ("HuggingFaceTokenizer", "tokenizer_model"): "tokenizer.json"}
+_SPEC_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
+_TRAINING: Dict[str, "TokenizerSpec"] = {}  # data section -> the tokenizer this process's datasets used
+
+
+def _data_key(cfg) -> str:
+    d = cfg.data
+    return repr((d.path, d.tokenizer, d.cache_dir, d.embedded_vocab_size))
+
+
+def record_training_tokenizer(cfg, spec: "TokenizerSpec") -> None:
+    """Called where the datasets are built (`datasets.data_source`): the tokenizer of `cfg`'s data,
+    which `training_tokenizer` hands to every checkpoint save of this process."""
+    _TRAINING[_data_key(cfg)] = spec
+
+
+def training_tokenizer(cfg) -> Optional["TokenizerSpec"]:
+    """The tokenizer this process built `cfg`'s datasets with; None when it built none (synthetic
+    data in tests): such a checkpoint carries no tokenizer."""
+    return _TRAINING.get(_data_key(cfg))
+
+
+def write_checkpoint_tokenizer(source, directory: str, origin: Optional[str] = None) -> None:
+    """`directory` (a checkpoint's `tokenizer/`) from `source`: a TokenizerSpec (its files copied
+    under fixed names, described by SPEC_FILE) or another checkpoint's `tokenizer/` (copied as it is)."""
+    if isinstance(source, str):
+        shutil.copytree(source, directory)
+        return
+    os.makedirs(directory)
+    names, origins = {}, {}
+    for key in _SPEC_FIELDS:
+        path = getattr(source, key)
+        if not path:
+            continue
+        if key == "tokenizer_model" and os.path.isdir(path):  # HuggingFaceTokenizer: tokenizer.json's directory
+            path = os.path.join(path, "tokenizer.json")
+        names[key] = _COPY_NAMES.get((source.type, key), os.path.basename(path))
+        shutil.copyfile(path, os.path.join(directory, names[key]))
+        origins[key] = os.path.abspath(path)
+    mapping = os.path.join(os.path.dirname(origins.get("tokenizer_model", "")), HF_SPECIAL_MAP)
+    if source.type == "HuggingFaceTokenizer" and os.path.isfile(mapping):
+        shutil.copyfile(mapping, os.path.join(directory, HF_SPECIAL_MAP))
+    tok = source.build()
+    with open(os.path.join(directory, SPEC_FILE), "w") as f:
+        json.dump({"type": source.type, **names, "vocab_size": tok.vocab_size, "special_ids": tok.special_ids,
+                   "origin": origin or origins}, f, indent=1, sort_keys=True)
+
+
+def read_checkpoint_tokenizer(directory: str) -> "TokenizerSpec":
+    """The TokenizerSpec of a checkpoint's `tokenizer/` directory (its paths: the copies)."""
+    with open(os.path.join(directory, SPEC_FILE)) as f:
+        spec = json.load(f)
+    return TokenizerSpec(spec["type"], **{k: os.path.join(directory, spec[k]) for k in _SPEC_FIELDS if spec.get(k)})

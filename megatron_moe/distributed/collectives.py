@@ -24,21 +24,18 @@ clock for gloo's CPU tensors (completion = when `wait()` returns, an upper bound
 completion time), CUDA events on the stream that runs the work for NCCL (exposed: around the
 wait on the compute stream; completion: an event on a stream that waits for the collective),
 read lazily: no op waits for the GPU to be timed, the times are read when asked for.
-
 All-to-all and point-to-point ops also count the bytes they send to ranks on other nodes
 (`RankLayout.ranks_per_node`, `parallel.ranks_per_node`) in `COMM_STATS.inter_node`.
-
 A caller that wants its own ops' times apart (an MoE layer's *Trans* / *Agg*) passes a `TimeSink`
 to the async ops; `Pending.wait()` adds to it as well. `all_to_all_v(..., while_in_flight=fn)`
 runs `fn` while the all-to-all is in flight (Pro-Prophet's `Plan`, Alg. 2 line 6).
 
 Counters are keyed ``"<kind>/<group name>"`` (e.g. ``"all_gather/esp"``) and are per process;
 `COMM_STATS.snapshot()` returns the bytes, `COMM_STATS.seconds_by_kind()` the times,
-`COMM_STATS.reset()` clears them; a side channel passed as a group of its own
-(`Group.side_channel()`: Trans / Agg, moe/replicas.py) counts as ``"<group>_side"``. Differentiable
-wrappers (`all_to_all_v_autograd`, ...) count their backward communication too. Inside
-`COMM_STATS.tagging(tag)` the bytes also go to `COMM_STATS.tagged` under
-``"<kind>/<group name>#<tag>"`` (a part of one kind, e.g. Pro-Prophet's SubAgg1 / SubAgg2 of "agg").
+`COMM_STATS.reset()` clears them; a side channel passed as a group of its own (`Group.side_channel()`:
+Trans / Agg, moe/replicas.py; overlapped gradient buckets) counts as ``"<group>_side"``. Differentiable
+wrappers (`all_to_all_v_autograd`, ...) count their backward communication too. Inside `COMM_STATS.tagging(tag)`
+the bytes also go to `COMM_STATS.tagged` under ``"<kind>/<group name>#<tag>"`` (e.g. Pro-Prophet's SubAgg1 / 2).
 """
 from __future__ import annotations
 
@@ -277,15 +274,20 @@ def reduce_scatter(t: torch.Tensor, group: Group, kind: str = "reduce_scatter") 
     return out
 
 
-def all_reduce_async(t: torch.Tensor, group: Group, kind: str = "all_reduce", sink: Optional[TimeSink] = None,
-                     side: bool = False) -> Pending:
-    """Start an in-place sum of `t` over `group`; `wait()` returns `t`. `side`: on the group's side
-    channel where it has one (overlapped gradient buckets, training/grads.py)."""
+def all_reduce_async(t: torch.Tensor, group: Group, kind: str = "all_reduce", sink: Optional[TimeSink] = None):
+    """Start an in-place sum of `t` over `group` (a Pending; `wait()` returns `t`). Overlapped
+    gradient buckets pass a side channel, `Group.side_channel()` (training/grads.py)."""
     if group.size == 1:
         return Pending.completed(lambda: t)
-    handle = group.side_handle if side and group.side_handle is not None else group.handle
-    return _issue(kind, group, _nbytes(t), lambda: [dist.all_reduce(t, group=handle, async_op=True)], t.device,
+    return _issue(kind, group, _nbytes(t), lambda: [dist.all_reduce(t, group=group.handle, async_op=True)], t.device,
                   lambda: t, keep=t, sink=sink)
+
+
+def reduce_scatter_async(t: torch.Tensor, group: Group, kind: str = "reduce_scatter", sink: Optional[TimeSink] = None):
+    """Start `reduce_scatter(t, group)` (1-D `t`, the tensor form); `wait()` returns this rank's slice."""
+    out = t.new_empty(t.shape[0] // group.size)
+    return Pending.completed(lambda: t) if group.size == 1 else _issue(kind, group, _nbytes(t), lambda: [
+        _REDUCE_SCATTER_TENSOR(out, t, group=group.handle, async_op=True)], t.device, lambda: out, keep=t, sink=sink)
 
 
 def all_to_all_v(t: torch.Tensor, send_splits: List[int], recv_splits: List[int], group: Group,

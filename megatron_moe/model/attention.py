@@ -20,6 +20,10 @@ on the CPU); with attention-probability dropout in training it
 computes softmax explicitly so the mask comes from the TP-sharded dropout generator
 (`tensor_parallel/random.py`): each rank draws different masks for its different heads. Its scores
 are fp32 in bf16 too, as `core_attention`'s; the probabilities are rounded to bf16 for `probs @ v`.
+
+gpt-oss's variants (module `attention_variants` docstring: sliding windows, sinks) and biases:
+`model.qkv_bias` on the QKV projection (GLM-4.5's `attention_bias`: q/k/v only), and
+`model.attention_output_bias` on the output projection (`proj.bias`), each null = `model.bias`.
 """
 from __future__ import annotations
 
@@ -29,13 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.errors import ConfigError
+from megatron_moe.config.registry import Registry
 from megatron_moe.config.schema import Config, ModelConfig
 from megatron_moe.config.validate import section_check
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe.model.attention_variants import (allowed_keys, build_sinks, check_attention_variants,
+                                                   layer_window, softmax_with_sinks)
 from megatron_moe.model.core_attention import core_attention, fused_attention
 from megatron_moe.model.qk_norm import build_qk_norms, check_qk_norm
 from megatron_moe.model.recompute import recomputed
-from megatron_moe.model.rotary import RotaryTables, apply_rotary
+from megatron_moe.model.rotary import RotaryTables, apply_rotary, check_rotary
 from megatron_moe.tensor_parallel import ColumnParallelLinear, Dropout, DropoutRNG, RowParallelLinear
 
 
@@ -43,12 +50,27 @@ def head_dim(cfg: ModelConfig) -> int:
     return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
+# model.attention: "standard" = SelfAttention (below), "mla" = model/mla.py's MultiLatentAttention;
+# an entry takes SelfAttention's constructor arguments; one other than "standard" has a
+# `check_config(config)` that replaces this module's rules
+ATTENTIONS: Registry = Registry("model.attention")
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Rotated dims per head: MLA's `qk_rope_head_dim`, else int(head_dim x `model.rotary_percent`)
+    (HF's `partial_rotary_factor`; model/rotary.py)."""
+    if cfg.attention == "mla":
+        return cfg.qk_rope_head_dim
+    return int(head_dim(cfg) * cfg.rotary_percent)
+
+
 def rotary_tables(cfg: ModelConfig) -> Optional[RotaryTables]:
-    """The rotary cos / sin tables for `model.seq_length` positions (one per stage, shared by its
-    layers: model/pipeline_stages.py), or None without rotary positions."""
+    """The rotary cos / sin tables (`rotary_dim` wide, `model.rope_scaling` applied) for
+    `model.seq_length` positions (one per stage, shared by its layers: model/pipeline_stages.py), or
+    None without rotary positions. The one place tables are built."""
     if cfg.position_embedding != "rope":
         return None
-    return RotaryTables(cfg.seq_length, head_dim(cfg), cfg.rope_theta)
+    return RotaryTables(cfg.seq_length, rotary_dim(cfg), cfg.rope_theta, cfg.rope_scaling)
 
 
 def query_groups(cfg: ModelConfig) -> int:
@@ -59,6 +81,11 @@ def query_groups(cfg: ModelConfig) -> int:
 def check_attention_config(config: Config, world_size: int) -> None:
     """Megatron's divisibility rules for heads, query groups and the tensor degree; `model.qk_norm`."""
     cfg, tensor = config.model, config.parallel.tensor
+    if cfg.position_embedding == "rope" and cfg.attention != "mla":  # mla: its own check
+        check_rotary(cfg.rope_scaling, cfg.rotary_percent, rotary_dim(cfg), head_dim(cfg))
+    check_attention_variants(cfg)  # sliding windows, sinks (model/attention_variants.py)
+    if cfg.attention != "standard":  # a registered name, with its own rules (model/mla.py)
+        return ATTENTIONS.get(cfg.attention).check_config(config)
     heads, groups = cfg.num_attention_heads, query_groups(cfg)
     if cfg.num_query_groups is not None and cfg.num_query_groups < 1:
         raise ConfigError(f"model.num_query_groups={cfg.num_query_groups} must be >= 1 (or null for MHA)")
@@ -74,18 +101,17 @@ def check_attention_config(config: Config, world_size: int) -> None:
     if cfg.head_dim is None and cfg.hidden_size % heads:
         raise ConfigError(f"model.num_attention_heads={heads} does not divide model.hidden_size={cfg.hidden_size} "
                           "(or set model.head_dim)")
-    if cfg.position_embedding == "rope" and head_dim(cfg) % 2:
-        raise ConfigError(f"model.position_embedding=rope needs an even head dimension, got {head_dim(cfg)} "
-                          "(model.head_dim or model.hidden_size / model.num_attention_heads)")
     check_qk_norm(cfg)
 
 
 class SelfAttention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, state: ParallelState, rng: DropoutRNG, *, output_std: float,
-                 causal: bool = True, recompute: bool = False, rotary: Optional[RotaryTables] = None):
+                 causal: bool = True, recompute: bool = False, rotary: Optional[RotaryTables] = None,
+                 layer_index: int = 0):
         """`recompute`: keep only q, k, v of the core attention and run it again in backward
         (`training.recompute=selective`, model/recompute.py). `rotary`: the stage's shared cos / sin
-        tables (model.position_embedding=rope; built here when not given)."""
+        tables (model.position_embedding=rope; built here when not given). `layer_index`: the
+        layer's place in the model (`model.layer_types` picks its sliding window)."""
         super().__init__()
         h, heads, groups = cfg.hidden_size, cfg.num_attention_heads, query_groups(cfg)
         self.head_dim = d = head_dim(cfg)
@@ -98,13 +124,17 @@ class SelfAttention(torch.nn.Module):
         qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, state, bias=qkv_bias, std=cfg.init_std)
         self.q_norm, self.k_norm = build_qk_norms(cfg, state, heads, groups, d)
-        self.proj = RowParallelLinear(heads * d, h, state, bias=cfg.bias, std=output_std)
+        proj_bias = cfg.bias if cfg.attention_output_bias is None else cfg.attention_output_bias
+        self.proj = RowParallelLinear(heads * d, h, state, bias=proj_bias, std=output_std)
+        self.window = layer_window(cfg, layer_index, causal)  # keys i - W < j <= i, or None
+        self.sinks = build_sinks(cfg, state)  # [heads/tp] learned sink logits, or None
         self.attn_dropout = Dropout(cfg.dropout, rng, "sharded")
         self.rng, self.recompute = rng, recompute
 
-    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x `[b, s, h]` replicated; padding_mask `[b, s]` (1 = real token, 0 = padding key) or None.
-        Returns `[b, s, h]` replicated."""
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, cache=None) -> torch.Tensor:
+        """x `[b, s, h]` replicated; padding_mask `[b, s]` (1 = real token, 0 = padding key) or None;
+        `cache`: this layer's KV cache when decoding (megatron_moe/generation.py `LayerCache`: positions,
+        earlier keys / values, mask). Returns `[b, s, h]` replicated."""
         b, s, _ = x.shape
         per_group, d = self.per_group, self.head_dim
         # split, not indexing: backward then concatenates the three gradients once, where
@@ -114,30 +144,30 @@ class SelfAttention(torch.nn.Module):
             q, k = qk.split([per_group, 1], dim=3)
             q = self.q_norm(q.reshape(b, s, self.local_heads, d)).view(q.shape)
             qk = torch.cat([q, self.k_norm(k.squeeze(3)).unsqueeze(3)], dim=3)
-        if self.rotary is not None:  # queries and keys in one pass
+        if self.rotary is not None and cache is not None:  # each sequence's positions: cos / sin rows [b s, d]
+            cos, sin = cache.rotary_rows(self.rotary)
+            qk = apply_rotary(qk.flatten(0, 1), cos, sin, seq_dim=0).view(qk.shape)
+        elif self.rotary is not None:  # queries and keys in one pass
             cos, sin = self.rotary(s)
             qk = apply_rotary(qk, cos, sin, seq_dim=1)
         q, k = qk.split([per_group, 1], dim=3)
         q = q.reshape(b, s, self.local_heads, d)  # [b, s, heads/tp, d]
         q, k, v = q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # [b, heads/tp | G/tp, s, d]
+        allowed = None
+        if cache is not None:  # the cached keys / values [b, G/tp, T, d] and the mask [b, 1, s, T]
+            k, v, allowed = cache.update(k, v, self.window)
         fused = self.fused(q)  # decided once: a recomputation in backward runs outside Lancet's batch parts
         if self.per_group > 1 and not fused:  # query head j attends with key/value head j // per_group
             k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
-        if self.recompute:
+        if self.recompute and cache is None:
             context = recomputed(self._attend, self.rng, x.device, q, k, v, padding_mask, fused)  # [b, heads/tp, s, d]
         else:
-            context = self._attend(q, k, v, padding_mask, fused)
+            context = self._attend(q, k, v, padding_mask, fused, allowed)
         return self.proj(context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def _allowed(self, s: int, padding_mask: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
         """Bool `[b|1, 1, s, s]`, True where query i may attend to key j; None if all may."""
-        allowed = None
-        if self.causal:
-            allowed = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
-        if padding_mask is not None:
-            keys = padding_mask.bool()[:, None, None, :]  # [b, 1, 1, s]
-            allowed = keys if allowed is None else allowed & keys
-        return allowed
+        return allowed_keys(s, self.causal, self.window, padding_mask, device)
 
     def _dropping(self) -> bool:
         return self.training and self.attn_dropout.p > 0
@@ -145,27 +175,36 @@ class SelfAttention(torch.nn.Module):
     def fused(self, q: torch.Tensor) -> bool:
         """Whether the core is one SDPA call on un-repeated K/V (`core_attention.fused_attention`):
         on CUDA, unless dropout must draw its masks here as slices of whole micro-batch ones (Lancet's
-        batch parts, `DropoutRNG.batch_parts`)."""
-        return q.device.type == "cuda" and not (self._dropping() and self.rng.in_batch_part)
+        batch parts, `DropoutRNG.batch_parts`). SDPA takes no sinks: with `model.attention_sinks` the
+        explicit softmax below runs on CUDA too."""
+        return (q.device.type == "cuda" and self.sinks is None
+                and not (self._dropping() and self.rng.in_batch_part))
 
-    def _attend(self, q, k, v, padding_mask, fused: bool = False):
+    def _attend(self, q, k, v, padding_mask, fused: bool = False, allowed=None):
         """q `[b, heads/tp, s, d]`, k, v `[b, G/tp, s, d]` when `fused` (`fused`), else `[b, heads/tp, s, d]`
-        -> `[b, heads/tp, s, d]`."""
+        -> `[b, heads/tp, s, d]`. `allowed`: a KV cache's mask `[b, 1, s, T]` (then T keys), instead
+        of the causal / window / padding one."""
+        masked = padding_mask is not None or self.window is not None or allowed is not None  # beyond plain causal / none
+        mask = allowed
+        if mask is None and (masked or self._dropping() or self.sinks is not None):  # not for core_attention's path
+            mask = self._allowed(q.shape[2], padding_mask, q.device)
         if fused:
-            mask = self._allowed(q.shape[2], padding_mask, q.device) if padding_mask is not None else None
+            mask = mask if masked else None
             if not self._dropping():
                 return fused_attention(q, k, v, self.causal, mask)
             generator = self.rng.generator(self.attn_dropout.region, q.device)
             return fused_attention(q, k, v, self.causal, mask, self.attn_dropout.p, generator)
-        if not self._dropping():
-            if padding_mask is None:
+        if not self._dropping() and self.sinks is None:
+            if not masked:
                 return core_attention(q, k, v, self.causal)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._allowed(q.shape[2], padding_mask, q.device))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # fp32 scores of bf16 q, k (exact products, fp32 sums), as core_attention's: rounding them to bf16
         # before the softmax moves dq ~10x more (docs/precision.md); in fp32 the same ops as before
         scores = (q.float() @ k.float().transpose(-2, -1)) * self.head_dim ** -0.5  # [b, heads/tp, s, s] fp32
-        allowed = self._allowed(q.shape[2], padding_mask, q.device)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = self.attn_dropout(torch.softmax(scores, dim=-1).to(v.dtype))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = self.attn_dropout(softmax_with_sinks(scores, self.sinks).to(v.dtype))
         return probs @ v
+
+
+ATTENTIONS.register("standard")(SelfAttention)

@@ -6,7 +6,7 @@ Compiled regions, per layer (`compile_layers`):
   SDPA, output projection and the residual add fuse around the matmuls;
 * the FFN sublayer of a dense layer, `x + dropout(mlp(norm_2(x)))`;
 * of an MoE layer only `norm_2`, the experts' activation (`Experts.activation_fn`: SwiGLU's
-  silu * up or GELU over the grouped rows, a dynamic number of them) and the gate-weighted combine
+  silu * up, gpt-oss's clamped SwiGLU or GELU over the grouped rows, a dynamic number of them) and the gate-weighted combine
   (`Schedule.weighted_sum`, `moe/schedules/base.py` `gate_weighted_sum`: the gather of the gate
   weights, the product and the scatter-add into the tokens' rows fuse, forward and backward;
   5.4 -> 2.3 ms per layer at docs/performance.md's bf16 shape). Routing, dispatch and the grouped

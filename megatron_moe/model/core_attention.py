@@ -45,6 +45,7 @@ _HEADS_BYTES = 2 << 20  # heads per chunk: their two bf16 [s, s] buffers fit in 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """q, k, v `[b, heads, s, d]` -> `[b, heads, s, d]`, without mask or dropout (module docstring)."""
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[2] <= MAX_RECOMPUTE_SEQ
+            and q.shape[-1] == v.shape[-1]  # the CPU flash kernel takes one head width (MLA's v differs)
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _FlashRecomputedBackward.apply(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)

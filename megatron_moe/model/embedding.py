@@ -33,12 +33,15 @@ class Embedding(torch.nn.Module):
                                                    role="embedding"), state)
         self.dropout = Dropout(cfg.dropout, rng, "replicated")
 
-    def forward(self, tokens: torch.Tensor, token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, token_types: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`positions` `[b, s]`: each token's position (decoding with a KV cache, megatron_moe/generation.py);
+        None = 0 .. s-1."""
         x = self.word(tokens)  # [b, s, h]
         if self.position is not None:
             if tokens.shape[1] > self.position.shape[0]:
                 raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={self.position.shape[0]}")
-            x = x + self.position[: tokens.shape[1]]
+            x = x + (self.position[: tokens.shape[1]] if positions is None else self.position[positions])
         if self.token_type is not None:
             x = x + self.token_type[token_types]  # [b, s, h]
         return self.dropout(x)

@@ -8,6 +8,10 @@ Activations (`model.activation`, shared with the MoE experts through `ffn_activa
   `[gate units | up units]`, each half contiguous; the output `[..., 2 f/tp]` splits into its two
   halves and silu(gate) * up `[..., f/tp]` runs on contiguous rows (issue #16: an interleaved
   (gate, up) column order made silu and its backward run on stride-2 views).
+* swiglu_oss (gpt-oss; experts only, `moe.activation`): the same (gate, up) halves, clamped to
+  `moe.swiglu_limit` L: gate = min(gate, L), up = clamp(up, -L, L), out = (up + 1) * gate *
+  sigmoid(1.702 gate) (transformers' `GptOssExperts._apply_gate`, whose checkpoint interleaves
+  gate / up columns: the HF converters reorder them into the halves).
 """
 from __future__ import annotations
 
@@ -17,13 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.schema import ModelConfig
+from megatron_moe.config.validate import GATED
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
+OSS_ALPHA = 1.702  # gpt-oss's sigmoid slope (transformers' `swiglu_alpha`)
+
+
 def ffn_units_shape(ffn_hidden_size: int, activation: str) -> Tuple[int, ...]:
-    """Shape of the first FFN projection's output units: (f,) or, for SwiGLU, (2, f) = (gate, up)."""
-    return (2, ffn_hidden_size) if activation == "swiglu" else (ffn_hidden_size,)
+    """Shape of the first FFN projection's output units: (f,) or, gated, (2, f) = (gate, up)."""
+    return (2, ffn_hidden_size) if activation in GATED else (ffn_hidden_size,)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -50,8 +58,13 @@ class _SwiGLU(torch.autograd.Function):
         return dx
 
 
-def ffn_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """gelu: `[..., f] -> [..., f]`; swiglu: `[..., 2f]` = (gate half, up half) -> `[..., f]`."""
+def ffn_activation(x: torch.Tensor, activation: str, limit: float = 7.0) -> torch.Tensor:
+    """gelu: `[..., f] -> [..., f]`; swiglu, swiglu_oss (clamped at `limit`): `[..., 2f]` = (gate
+    half, up half) -> `[..., f]`."""
+    if activation == "swiglu_oss":
+        gate, up = x.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(OSS_ALPHA * gate))
     if activation == "swiglu":
         if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
             return _SwiGLU.apply(x)

@@ -21,3 +21,6 @@ class ModelOutput:
     binary_loss: Optional[torch.Tensor] = None
     # a pipeline chunk before the last: its output hidden states [b, s, h] for the next stage
     hidden: Optional[torch.Tensor] = None
+    # multi-token prediction (model/mtp.py): 1/D sum of the D depths' mean cross-entropies (DeepSeek-V3
+    # Eq. 25 without the weight training.mtp_loss_weight); None without MTP, labels or in evaluation
+    mtp_loss: Optional[torch.Tensor] = None

@@ -12,7 +12,13 @@ Tied word embeddings (Megatron's embedding group): when the output layer reuses 
 and the last chunk is on another stage than the first, the last stage holds a copy of the word
 table under the same name. Both copies are marked `tied_across_stages`: their gradients are summed
 over the `embedding` group (first and last stage, `training/grads.py`), so they stay equal; the
-last stage's copy is also `pipeline_duplicate`: the global grad norm counts it once.
+last stage's copy is also `pipeline_duplicate`: the global grad norm counts it once. Multi-token
+prediction (`model.mtp_depth`, model/mtp.py) lives on the last stage after the final norm and embeds
+tokens there: its model shares the word table the same way even with untied output weights.
+
+Dense and MoE layers (`moe_layer_flags`: layer_freq, first_k_dense or layer_pattern) are counted as
+layers like any other: `pipeline_layers` / the even split count transformer layers, whatever their
+FFN, and the MTP layers are on the last stage beyond them.
 
 `StagedModel` is the part GPT and BERT share: building this stage's embedding, layers and final
 norm, and running one model chunk (`run_chunk`).
@@ -33,6 +39,7 @@ from megatron_moe.model.embedding import Embedding
 from megatron_moe.model.norm import build_norm
 from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
 from megatron_moe.model.transformer import TransformerLayer, moe_ffns, run_layers
+from megatron_moe.model.mtp import mtp_layers
 from megatron_moe.config.registry import Hooks
 from megatron_moe.tensor_parallel import DropoutRNG
 
@@ -127,7 +134,11 @@ class StagedModel(torch.nn.Module):
 
     def __init__(self, cfg: Config, state: ParallelState, *, causal: bool, num_token_types: int = 0,
                  tied_head: bool = True):
+        """`tied_head`: the last stage needs the word table (a tied output layer, or MTP's embedding)."""
         super().__init__()
+        if cfg.model.mtp_depth and not causal:
+            raise ValueError(f"model.mtp_depth={cfg.model.mtp_depth}: multi-token prediction is for GPT "
+                             "(causal) models; set model.mtp_depth=0")
         # a technique that needs a hardware profile (moe.schedule=auto, the balancers' cost models,
         # Lancet's dW budget) and has none: calibrate on these ranks as the trainer does (collective;
         # a no-op when the trainer already did, or when the config names one)
@@ -146,6 +157,7 @@ class StagedModel(torch.nn.Module):
                                                       rotary=self.rotary)
                                   for chunk in self.stage.layers for i in chunk}, self.stage.layers)
         self.final_norm = build_norm(m, state) if self.stage.has_head else None
+        self.mtp = None  # the MTP depths (model/mtp.py), built by the GPT head on the last stage
         self.tied_head = tied_head
         self.has_binary_loss = False  # a second loss term next to lm_loss (BERT's binary head)
 
@@ -159,14 +171,14 @@ class StagedModel(torch.nn.Module):
             word.pipeline_duplicate = not self.stage.has_embedding  # the grad norm counts the first stage's
         STAGE_HOOKS.get("moe.lancet.defer_wgrad")(self, cfg)
         if cfg.training.compile:
-            compile_layers(self.layers)
+            compile_layers(list(self.layers) + mtp_layers(self.mtp))
         partitioner = STAGE_HOOKS.get("moe.lancet.partitions")
         self.partitioners = [partitioner(cfg, self.state, self.dropout_rng, self.layers.chunk(c))
                              for c in range(self.stage.virtual)]  # moe.lancet.partitions
 
     def moe_layers(self) -> List[torch.nn.Module]:
-        """This stage's MoE layers, in layer order."""
-        return moe_ffns(self.layers)
+        """This stage's MoE layers, in layer order (the MTP layers last)."""
+        return moe_ffns(list(self.layers) + mtp_layers(self.mtp))
 
     def run_chunk(self, chunk: int, hidden: Optional[torch.Tensor], embed, padding_mask=None):
         """Virtual chunk `chunk` on `hidden` [b, s, h] (the previous stage's output), or on

@@ -3,10 +3,13 @@
 Global parameters (all `kind="expert"`, initialized from the seed independently of the layout):
 
     w1 [E, h, f]     gelu     shards [(0, "ep"), (2, "esp")]
-    w1 [E, h, 2, f]  swiglu   shards [(0, "ep"), (3, "esp")]   (gate, up) halves, `model/mlp.py`
+    w1 [E, h, 2, f]  swiglu, swiglu_oss   shards [(0, "ep"), (3, "esp")]   (gate, up) halves, `model/mlp.py`
     w2 [E, f, h]              shards [(0, "ep"), (1, "esp")]
-    b1 [E, f] | [E, 2, f]     shards [(0, "ep"), (last, "esp")]   (model.bias)
-    b2 [E, h]                 shards [(0, "ep"), (1, "esp")]      (model.bias; sharded on h, see below)
+    b1 [E, f] | [E, 2, f]     shards [(0, "ep"), (last, "esp")]   (moe.expert_proj_bias, null = model.bias)
+    b2 [E, h]                 shards [(0, "ep"), (1, "esp")]      (the same key; sharded on h, see below)
+
+The activation is `moe.activation` (null = model.activation; swiglu_oss = gpt-oss's clamped
+SwiGLU at `moe.swiglu_limit`).
 
 Expert e computes act(x w1[e] + b1[e]) w2[e] + b2[e]. ESP rank j holds FFN units
 [j f/esp, (j+1) f/esp) (for SwiGLU the gate and the up units of that range, contiguous: its local
@@ -44,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.config.schema import Config
-from megatron_moe.config.validate import expert_ffn_hidden_size
+from megatron_moe.config.validate import expert_activation, expert_ffn_hidden_size, expert_proj_bias
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.mlp import ffn_activation, ffn_units_shape
 from megatron_moe.perf import host_sync
@@ -71,8 +74,8 @@ class Experts(torch.nn.Module):
     def __init__(self, cfg: Config, state: ParallelState, slots_per_rank: Optional[int] = None):
         super().__init__()
         m, num_experts = cfg.model, cfg.moe.num_experts
-        units = ffn_units_shape(expert_ffn_hidden_size(cfg), m.activation)  # (f,) or (2, f)
-        self.activation = m.activation
+        self.activation, self.swiglu_limit = expert_activation(cfg), cfg.moe.swiglu_limit
+        units = ffn_units_shape(expert_ffn_hidden_size(cfg), self.activation)  # (f,) or (2, f)
         self.activation_fn = ffn_activation  # training.compile: a compiled one (model/compile.py)
         self.num_experts, self.num_local = num_experts, num_experts // state.ep_size
         self.ep_rank, self.first_expert = state.ep.rank, state.ep.rank * self.num_local
@@ -93,8 +96,9 @@ class Experts(torch.nn.Module):
 
         self.w1 = param((m.hidden_size,) + units, 1 + len(units), std=m.init_std)
         self.w2 = param((units[-1], m.hidden_size), 1, std=residual_output_std(m))
-        self.b1 = param(units, len(units), init="zeros", role="bias") if m.bias else None
-        self.b2 = param((m.hidden_size,), 1, init="zeros", role="bias") if m.bias else None
+        bias = expert_proj_bias(cfg)
+        self.b1 = param(units, len(units), init="zeros", role="bias") if bias else None
+        self.b2 = param((m.hidden_size,), 1, init="zeros", role="bias") if bias else None
 
     @property
     def owned_expert_ids(self) -> List[int]:
@@ -160,7 +164,8 @@ class Experts(torch.nn.Module):
         if b1 is not None:
             hidden = hidden + b1.reshape(experts, math.prod(b1.shape[1:])).repeat_interleave(
                 rows, dim=0, output_size=x.shape[0])
-        out = project(self.activation_fn(hidden, self.activation), w2)  # [m, h] partial over FFN units
+        hidden = self.activation_fn(hidden, self.activation, self.swiglu_limit)
+        out = project(hidden, w2)  # [m, h] partial over FFN units
         if b2 is not None:
             bias = b2.repeat_interleave(rows, dim=0, output_size=x.shape[0])  # [m, h/esp]
             before = self.esp_rank * bias.shape[1]

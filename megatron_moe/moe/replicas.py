@@ -36,8 +36,8 @@ all-to-alls run on `ep`, and is waited on at the end of backward. The streams sh
 and SMs, so overlapped transfers hide latency but split bandwidth. Every rank issues the
 operations of both communicators in the same program order, as NCCL requires of concurrent
 communicators. The side channel is `ep`'s only: FlexMoE's moves use one too but never with these
-balancers, and the overlapped DP gradient buckets have `dp`'s (`optimizer.overlap_grad_reduce`),
-a communicator of its own even where `dp` and `ep` hold the same ranks. On gloo the side channel
+balancers, and the overlapped gradient buckets have `dp`'s and `edp`'s
+(`optimizer.overlap_grad_reduce`), communicators of their own even where they and `ep` hold the same ranks. On gloo the side channel
 has its own connections and worker thread, with the same effect. A ParallelState built without
 it (tests, tools that skip `SIDE_CHANNELS`) runs Trans / Agg on `ep` and counts them there.
 

@@ -1,7 +1,8 @@
 """Top-k router (DESIGN.md §4): gate, top-k, capacity drops, load-balancing and z losses.
 
-* Gate: logits = x W_r^T with W_r [E, h] a dense parameter replicated across TP; logits, scores
-  and losses run in fp32 even under bf16 autocast.
+* Gate: logits = x W_r^T (+ b_r with `moe.router_bias`, gpt-oss) with W_r [E, h] and b_r [E]
+  dense parameters replicated across TP; logits, scores and losses run in fp32 even under bf16
+  autocast.
 * Scores (`moe.score_function`): softmax over the experts (default), or sigmoid of each logit
   (DeepSeek-V3, Liu et al. 2024, Eq. 15).
 * Selection: the k experts with the highest score; with `moe.expert_bias` (expert_bias.py) the
@@ -13,9 +14,12 @@
 * Combine weights: the chosen (unbiased) scores; `moe.norm_topk_prob` (null = when k > 1)
   divides them by their sum: k=1 without it is Switch (Fedus et al. 2021), the weight is the top-1
   probability; k>1 with it is GShard (Lepikhin et al. 2020) / Mixtral; Qwen2-MoE and OLMoE keep the
-  raw probabilities. Then x `moe.topk_scaling_factor`. Weights are fixed before capacity drops, so
-  a dropped assignment keeps its share of the weight and contributes nothing (its token only passes
-  through the residual connection).
+  raw probabilities. gpt-oss's router (a softmax over the k selected logits) is softmax +
+  norm_topk_prob: softmax(z_S)_i = exp(z_i) / sum_S exp(z_j) = p_i / sum_S p_j for the selected
+  set S, and the top-k of the logits is the top-k of p (tests/unit/test_gpt_oss.py checks it
+  against transformers' `GptOssTopKRouter`). Then x `moe.topk_scaling_factor`. Weights are fixed
+  before capacity drops, so a dropped assignment keeps its share of the weight and contributes
+  nothing (its token only passes through the residual connection).
 * Capacity (`moe.capacity_factor` = f, null = dropless): C = ceil(f * n * k / E) assignments per
   expert for a data-parallel micro-batch of n tokens. Drops are by position, token-major: expert
   e keeps the first C tokens (in flattened [b*s] order) that chose it, whatever the choice's rank
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,10 +81,10 @@ class Routing:
         return over.sum()
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [n, h], W_r [E, h] -> fp32 logits [n, E], outside any autocast region."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [n, h], W_r [E, h], b_r [E] or None -> fp32 logits [n, E], outside any autocast region."""
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return F.linear(x.float(), weight.float())
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -261,6 +265,9 @@ class Router(torch.nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.weight = make_param(ParamMeta("dense", (moe.num_experts, cfg.model.hidden_size),
                                            std=cfg.model.init_std, role="weight"), state)  # W_r [E, h], replicated
+        # moe.router_bias: b_r [E], replicated (zeros; transformers draws gpt-oss's from N(0, init_std))
+        self.bias = (make_param(ParamMeta("dense", (moe.num_experts,), init="zeros", role="bias"), state)
+                     if moe.router_bias else None)
         self.scoring = dict(score_function=moe.score_function, norm_topk_prob=moe.norm_topk_prob,
                             scaling=moe.topk_scaling_factor, groups=moe.router_groups, group_topk=moe.router_group_topk)
         # moe.expert_bias (expert_bias.py): frozen [E] selection bias and the loads since its last update
@@ -271,9 +278,11 @@ class Router(torch.nn.Module):
         self.logit_bias: Optional[torch.Tensor] = None
         self.partition: Optional[GatePartition] = None  # set while Lancet's partitioned forward routes parts
 
-    def logits(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """fp32 logits [n, E] of tokens x [n, h] (with `weight`, e.g. S1's TP-mapped copy of W_r)."""
-        logits = router_logits(x, self.weight if weight is None else weight)
+    def logits(self, x: torch.Tensor, mapped: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """fp32 logits [n, E] of tokens x [n, h] (`mapped`: applied to W_r and b_r first, e.g. S1's
+        copy into the TP region)."""
+        weight, bias = ((p if mapped is None or p is None else mapped(p)) for p in (self.weight, self.bias))
+        logits = router_logits(x, weight, bias)
         return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.device)
 
     def select(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -50,7 +50,7 @@ import yaml
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.perf.alpha_beta import AlphaBeta
-from megatron_moe.config.validate import expert_ffn_hidden_size, section_check
+from megatron_moe.config.validate import GATED, expert_activation, expert_ffn_hidden_size, section_check
 from megatron_moe.config.registry import Hooks
 
 PARM_OPS = ("mp_allgather", "ep_esp_alltoall", "saa")  # Parm Alg. 1
@@ -82,7 +82,7 @@ class ExpertShape:
 def expert_shape(cfg, state) -> ExpertShape:
     """One expert shard of `cfg` on `state` (a ParallelState: its ESP degree)."""
     return ExpertShape(cfg.model.hidden_size, expert_ffn_hidden_size(cfg) // state.esp_size,
-                       cfg.model.activation == "swiglu")
+                       expert_activation(cfg) in GATED)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Then, in the order the trainer runs them (fp32 unless said otherwise, kind "all_
    (`flat_groups`) reduce-scattered over its replica group (kind "grad_reduce_scatter", the
    buffer padded to a multiple of the group);
 2. the global grad norm: `norm_reductions` (one element per norm key, per group), then one over `pp`;
-3. the loss sums: 3 fp64 (lm, aux, binary) over `pp`, then over `dp` (`Trainer.mean_over_dp`);
+3. the loss sums: 4 fp64 (lm, aux, binary, mtp) over `pp`, then over `dp` (`Trainer.mean_over_dp`);
 4. with `optimizer.distributed`, after the step, every flat buffer all-gathered over its replica
    group when it has more than one member (kind "param_all_gather").
 
@@ -33,7 +33,7 @@ from megatron_moe.sim.ops import Op, OpBuilder
 from megatron_moe.training.distributed_optimizer import GRAD_KIND, PARAM_KIND, flat_groups
 from megatron_moe.training.grads import GradSync, norm_reductions
 
-LOSS_SUMS = 3  # Trainer.forward_backward's [lm_loss, aux_loss, binary_loss], fp64 in mean_over_dp
+LOSS_SUMS = 4  # Trainer.forward_backward's [lm_loss, aux_loss, binary_loss, mtp_loss], fp64 in mean_over_dp
 
 
 @dataclass

@@ -39,9 +39,11 @@ import torch
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config
-from megatron_moe.config.validate import expert_ffn_hidden_size, validate_config
+from megatron_moe.config.validate import (GATED, expert_activation, expert_ffn_hidden_size, expert_proj_bias,
+                                          validate_config)
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.pipeline_stages import StageChunks
+from megatron_moe.model.transformer import moe_layer_flags, moe_layer_spacing
 from megatron_moe.moe.balancers import BALANCERS
 from megatron_moe.moe.vexpert_moves import plan_transfers
 from megatron_moe.moe.vexperts import SlotTable
@@ -61,11 +63,6 @@ from megatron_moe.sim.traces import RecordedTrace, SyntheticTrace, split_even
 from megatron_moe.training.pipeline_schedules import expected_bubble
 
 IDLE = 3.0  # breakdown kind of a stage's idle time in the pipeline (0 compute, 1 communication, 2 overlap)
-
-
-def moe_layer_indices(cfg: Config) -> List[int]:
-    f = cfg.moe.layer_freq
-    return [i for i in range(cfg.model.num_layers) if i % f == f - 1]
 
 
 def keep_capacity(counts: np.ndarray, capacity: Optional[int]) -> np.ndarray:
@@ -164,6 +161,8 @@ class Simulation:
         if cfg.moe.token_dispatch not in SIMULATED_TOKEN_DISPATCH:
             raise ConfigError(f"moe.token_dispatch={cfg.moe.token_dispatch}: the simulator models per_copy only (a "
                               "routing trace counts assignments per source and expert, not which share a node)")
+        if cfg.model.mtp_depth:  # its layers, projections and heads on the last stage are not modelled
+            raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth}: the simulator does not model multi-token prediction")
         node_size = profile.cluster.node_size if profile.cluster else None
         cfg = replace(cfg, parallel=replace(cfg.parallel, ranks_per_node=node_size or cfg.parallel.ranks_per_node))
         validate_config(replace(cfg, perf=replace(cfg.perf, hardware_profile=None)), world_size)  # the layout first
@@ -182,8 +181,8 @@ class Simulation:
         self.micro_batches = tr.global_batch_size // (tr.micro_batch_size * layout.data_parallel)
         self.capacity = None if moe.capacity_factor is None else \
             math.ceil(moe.capacity_factor * self.tokens * moe.top_k / moe.num_experts)
-        shape = ExpertShape(m.hidden_size, expert_ffn_hidden_size(cfg) // layout.expert_shard, m.activation == "swiglu")
-        self.params_per_expert = shape.params(m.bias, layout.expert_shard)
+        shape = ExpertShape(m.hidden_size, expert_ffn_hidden_size(cfg) // layout.expert_shard, expert_activation(cfg) in GATED)
+        self.params_per_expert = shape.params(expert_proj_bias(cfg), layout.expert_shard)
         self.param_tensors = 4 if m.bias else 2
         self.shape = LayerShape(self.tokens, m.hidden_size, moe.top_k, moe.num_experts, shape.flops_per_row, moe.saa,
                                 moe.smart_schedule, moe.smart_group_size)
@@ -194,7 +193,7 @@ class Simulation:
                                      DenseModel(cfg, b, self.tokens), StageChunks.of(cfg, s).layers,
                                      StageParams.of(cfg, layout, s)))
         self.pipeline = Pipeline(cfg, layout, clusters[0], self.micro_batches, Widths.of(tr.precision))
-        self.moe_layers = moe_layer_indices(cfg)
+        self.moe_layers = [i for i, flag in enumerate(moe_layer_flags(cfg)) if flag]  # first_k_dense, layer_pattern
         self.moe_at = moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}  # global layer -> MoE index
         self.stage_of = {moe_at[layer]: s for s, stage in enumerate(self.stages) for chunk in stage.chunks
                          for layer in chunk if layer in moe_at}  # MoE layer index -> stage
@@ -314,7 +313,7 @@ class Simulation:
             world = self.stages[s].world
             segments = lancet_segments(ops.sublayers, min(lancet.partitions, self.cfg.training.micro_batch_size),
                                        lancet.partition_range, world,
-                                       partition_max_range(lancet.max_range, self.cfg.moe.layer_freq))
+                                       partition_max_range(lancet.max_range, moe_layer_spacing(self.cfg)))
             forward = lancet_forward(ops.sublayers, segments, world)
         else:
             forward = [(label, sub) for label, sub, _ in ops.sublayers]

@@ -16,6 +16,9 @@ A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` (`checkpoin
   `balancers`: each MoE layer's vExpert slots and planner state, restored on the same layout,
   balancer and slot count (the tensors hold one copy per expert whatever the slots hold);
 * `config.yaml`: the resolved config;
+* `tokenizer/`: a copy of the training tokenizer's files + `tokenizer_spec.json` (its type; the
+  embedded corpus's trained BPE too), so the directory is self-contained
+  (`data.tokenizers.load_checkpoint_tokenizer`); absent when the datasets used none;
 * `manifest.json`: sizes + SHA-256 of all the above, written last.
 
 Replicated tensors are written once (DCP de-duplicates identical chunks). Padded vocabulary rows
@@ -44,6 +47,7 @@ import torch
 
 from megatron_moe.config import Config
 from megatron_moe.config.load import load_config, to_yaml
+from megatron_moe.data.tokenizers import CHECKPOINT_TOKENIZER, training_tokenizer, write_checkpoint_tokenizer
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.moe.vexpert_moves import fit_optimizer_rows
@@ -185,9 +189,10 @@ def layout_dict(state: ParallelState) -> Dict[str, int]:
 
 # -- save ---------------------------------------------------------------------------------------
 def write_checkpoint_dir(root: str, iteration: int, entries: Dict[str, ShardedEntry], meta: dict, config_yaml: str,
-                         state: Optional[ParallelState], keep_last: int = 0) -> str:
+                         state: Optional[ParallelState], keep_last: int = 0, tokenizer=None) -> str:
     """Collective (one process when `state` is None): write `entries` + metadata crash-safely as
-    `root/iter_<iteration>`; return its path.
+    `root/iter_<iteration>`; return its path. `tokenizer`: a TokenizerSpec or another checkpoint's
+    `tokenizer/` directory, copied into `tokenizer/` (data/tokenizers.py; None: none).
 
     tmp dir -> DCP files -> meta.json, config.yaml -> manifest.json -> rename -> `latest` -> prune."""
     final = iteration_dir(root, iteration)
@@ -209,6 +214,8 @@ def write_checkpoint_dir(root: str, iteration: int, entries: Dict[str, ShardedEn
         write_json(os.path.join(tmp, META), meta)
         with open(os.path.join(tmp, CONFIG), "w") as f:
             f.write(config_yaml)
+        if tokenizer is not None:
+            write_checkpoint_tokenizer(tokenizer, os.path.join(tmp, CHECKPOINT_TOKENIZER))
         write_manifest(tmp)
         _fsync_dir(tmp)
         os.rename(tmp, final)
@@ -240,7 +247,7 @@ def save_checkpoint(cfg: Config, state: ParallelState, model: torch.nn.Module, o
     if balancers:
         meta["balancers"] = {"balancer": cfg.moe.balancer, "layout": layout_dict(state), "layers": balancers}
     return write_checkpoint_dir(checkpoint_dir(cfg), iteration, entries, meta, to_yaml(cfg), state,
-                                cfg.checkpoint.keep_last)
+                                cfg.checkpoint.keep_last, training_tokenizer(cfg))
 
 
 def _barrier(state: Optional[ParallelState]) -> None:
@@ -442,3 +449,9 @@ def _check_checkpoint(cfg, world_size: int) -> None:
 def checkpoint_load_error(load: str, exc: Exception) -> ConfigError:
     """The one-line error for a checkpoint that `checkpoint.load` names but that cannot be resumed."""
     return ConfigError(f"checkpoint.load={load}: {exc}")
+
+
+def checkpoint_tokenizer_dir(path: str) -> Optional[str]:
+    """Checkpoint `path`'s `tokenizer/` directory, None if it carries none (conversions copy it)."""
+    directory = os.path.join(path, CHECKPOINT_TOKENIZER)
+    return directory if os.path.isdir(directory) else None

@@ -54,15 +54,26 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _files(path: str) -> List[str]:
+    """Every file under `path`, as '/'-separated relative paths (subdirectories: the tokenizer's)."""
+    out = []
+    for directory, subdirs, names in os.walk(path):
+        subdirs.sort()
+        rel = os.path.relpath(directory, path)
+        out += [name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}" for name in sorted(names)]
+    return out
+
+
 def write_manifest(path: str) -> None:
-    """List every file of the checkpoint directory with size and SHA-256; written last."""
+    """List every file of the checkpoint directory (and its subdirectories) with size and SHA-256; written last."""
     files = {name: {"size": os.path.getsize(os.path.join(path, name)), "sha256": _sha256(os.path.join(path, name))}
-             for name in sorted(os.listdir(path)) if name != MANIFEST}
+             for name in _files(path) if name != MANIFEST}
     write_json(os.path.join(path, MANIFEST), {"format": "megatron_moe-dcp-v1", "files": files})
 
 
-def verify_manifest(path: str) -> None:
-    """Raise CheckpointError naming the first missing, truncated, modified or unexpected file."""
+def verify_manifest(path: str, only: str = "") -> None:
+    """Raise CheckpointError naming the first missing, truncated, modified or unexpected file
+    (`only`: of the files whose path starts with it, e.g. "tokenizer/")."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -73,6 +84,8 @@ def verify_manifest(path: str) -> None:
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({exc})") from None
     for name, expect in files.items():
+        if not name.startswith(only):
+            continue
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint {path}: file {name} is missing")
@@ -81,7 +94,7 @@ def verify_manifest(path: str) -> None:
             raise CheckpointError(f"checkpoint {path}: file {name} has {size} bytes, the manifest says {expect['size']}")
         if _sha256(file) != expect["sha256"]:
             raise CheckpointError(f"checkpoint {path}: file {name} is corrupt (SHA-256 differs from the manifest)")
-    extra = sorted(set(os.listdir(path)) - set(files) - {MANIFEST})
+    extra = sorted(n for n in set(_files(path)) - set(files) - {MANIFEST} if n.startswith(only))
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file {extra[0]} (not in the manifest)")
 

@@ -4,8 +4,10 @@ DistributedOptimizer).
 
 AdamW's state is sharded over the replicas of each parameter: over ``dp`` for dense parameters, over
 ``edp`` for expert parameters (the ranks holding the same expert shard). The parameters of one
-replica group with the same weight decay, dtype, device and norm key are one flat buffer [N], padded
-to a multiple of the group size r; member i owns elements [i N / r, (i + 1) N / r). The model's
+replica group with the same weight decay, dtype, device, norm key and need of `GradSync` sums
+(tp / esp, tied embedding), in order, are flat buffers [N] of at most `optimizer.grad_bucket_mb`
+of gradients each (Megatron's buckets), padded to a multiple of the group size r; member i owns
+elements [i N / r, (i + 1) N / r) of each. The model's
 parameters become views into that buffer. In fp32 runs this rank's slice of it is what AdamW steps
 (the parameters are their own master weights), so only the moments are held per shard; in bf16
 runs (`training.precision: bf16`, docs/precision.md) the flat buffer is bf16 and this rank holds an
@@ -19,7 +21,12 @@ params per shard), which AdamW steps and which is copied back into the bf16 slic
    embedding's copies (training/grads.py);
 3. each flat gradient is reduce-scattered over its replica group and scaled by 1 / dp_size: this
    rank's shard of the global-batch mean gradient (kind `grad_reduce_scatter`; the tensor form,
-   `reduce_scatter_tensor`: NCCL's list form would first copy the whole buffer);
+   `reduce_scatter_tensor`: NCCL's list form would first copy the whole buffer). With
+   `optimizer.overlap_grad_reduce` a buffer's reduce-scatter starts during the last micro-batch's
+   backward, on its group's side channel (counted under "dp_side" / "edp_side"), from the hooks
+   of `training/grads.py` `HookedLaunch` once its parameters' gradients are final (those that
+   need GradSync's sums first, and expert buffers under `late_expert_grads`, start here); every
+   one is waited for here, before the norm and the step (Megatron's distributed optimizer);
 4. the global grad norm adds each shard element once (over the replica group, the groups the
    parameters are sharded over, and ``pp``); clipping scales the shards;
 5. AdamW (torch's fused kernel) steps the shards (bf16: the fp32 master shards, then copied into the
@@ -35,8 +42,8 @@ Checkpoints (training/checkpoint.py): `sharded_states` cuts each parameter's par
 shard into boxes of the parameter's shape (`flat_range_boxes`), saved under the same global names
 and offsets as unsharded moments: any layout, sharded or not, loads any other.
 vExpert balancers (FlexMoE, EPLB) move AdamW state between ranks: refused by the config check.
-This module also holds the checks of `optimizer.overlap_grad_reduce` and its side channel on ``dp``
-(training/grads.py).
+This module also holds the checks of `optimizer.overlap_grad_reduce` and its side channels on ``dp``
+and ``edp`` (training/grads.py).
 """
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ from megatron_moe.config.schema import OptimizerConfig
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import SIDE_CHANNELS, Group, ParallelState
 from megatron_moe.model.precision import attach_main_grads
-from megatron_moe.training.grads import GradSync, REPLICA_GROUP, counts_in_norm, reduce_squared_norms
+from megatron_moe.training.grads import (GradSync, HookedLaunch, REPLICA_GROUP, counts_in_norm, late_expert_grads,
+                                         reduce_squared_norms, sync_plan)
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 
@@ -106,6 +114,8 @@ class _FlatGroup:
     group: Group
     norm_key: Tuple[str, ...]
     decay: bool
+    first: int = 0  # index of its first parameter among the model's (overlap: started in decreasing order)
+    synced: bool = False  # its parameters need GradSync's sums (tp / esp, tied embedding) before the reduce-scatter
     starts: List[int] = field(default_factory=list)  # each parameter's offset in the flat buffer
     flat: torch.Tensor = None  # [N padded]
     grad: torch.Tensor = None  # [N padded] fp32: the parameters' .grad (bf16 runs: main_grad) are views into it
@@ -156,34 +166,50 @@ class _FlatGroup:
                 yield i, a - start, b - start
 
 
-def flat_groups(named: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState) -> List[_FlatGroup]:
-    """The flat buffers (not built) of these parameters: one per replica group, weight decay, dtype,
-    device and norm key, in first-parameter order (the cluster simulator sizes its collectives by them)."""
-    buckets: Dict[tuple, _FlatGroup] = {}
-    for name, p in named:
+def flat_groups(named: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState,
+                bucket_bytes: float = math.inf) -> List[_FlatGroup]:
+    """The flat buffers (not built) of these parameters: per replica group, weight decay, dtype,
+    device, norm key and need of GradSync's sums, at most `bucket_bytes` of fp32 gradients each (one
+    parameter may exceed it), in first-parameter order (the cluster simulator sizes its collectives by them)."""
+    out: List[_FlatGroup] = []
+    open_flats: Dict[tuple, _FlatGroup] = {}
+    for index, (name, p) in enumerate(named):
         assert not hasattr(p, "vexpert_slots"), "optimizer.distributed with vExperts: validate the config first"
         replica = state.groups[REPLICA_GROUP[p.meta.kind]]
         norm_key = tuple(sorted({g for g in p.meta.sharded_groups() + [replica.name] if state.groups[g].size > 1}))
         decay = p.meta.role in DECAYED_ROLES
-        key = (replica.name, decay, p.dtype, str(p.device), norm_key)
-        if key not in buckets:
-            buckets[key] = _FlatGroup([], [], replica, norm_key, decay)
-        buckets[key].names.append(name)
-        buckets[key].params.append(p)
-    return list(buckets.values())
+        synced = sync_plan(p, state, replicas=False) != ((), 1.0)
+        key = (replica.name, decay, p.dtype, str(p.device), norm_key, synced)
+        flat = open_flats.get(key)
+        if flat is None or (sum(q.numel() for q in flat.params) + p.numel()) * 4 > bucket_bytes:
+            flat = open_flats[key] = _FlatGroup([], [], replica, norm_key, decay, index, synced)
+            out.append(flat)
+        flat.names.append(name)
+        flat.params.append(p)
+    return out
 
 
 class DistributedOptimizer:
     """AdamW over this rank's shards (module docstring). The trainer calls `sync()`, `clip()`,
     `step()` where it calls GradSync's and the optimizer's; `param_groups` carry the lr."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, state: ParallelState):
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, state: ParallelState,
+                 overlap_experts: bool = True):
+        """`overlap_experts`: with `cfg.overlap_grad_reduce`, the expert buffers' reduce-scatters
+        start from hooks too (False where `late_expert_grads` gives a reason)."""
         self.state = state
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.grad_sync = GradSync(named, state, bucket_bytes=int(cfg.grad_bucket_mb * 2 ** 20), replicas=False)
-        self.flats = flat_groups(named, state)
+        bucket_bytes = int(cfg.grad_bucket_mb * 2 ** 20)
+        self.grad_sync = GradSync(named, state, bucket_bytes=bucket_bytes, replicas=False)
+        self.flats = flat_groups(named, state, bucket_bytes)
         for flat in self.flats:
             flat.build()
+        hooked = {"dense": cfg.overlap_grad_reduce, "expert": cfg.overlap_grad_reduce and overlap_experts}
+        self.launch_order = sorted([f for f in self.flats if hooked[f.params[0].meta.kind] and not f.synced
+                                    and f.group.size > 1], key=lambda f: -f.first)
+        self.launch = HookedLaunch([(f.params, lambda f=f: self._reduce_scatter(f)) for f in self.launch_order])
+        self._pending: Dict[int, collectives.Pending] = {}  # id(flat) -> its reduce-scatter started by a hook
+        self.sink = collectives.TimeSink()  # {GRAD_KIND: [exposed, total]} of the overlapped reduce-scatters
         shards = [f.shard for f in self.flats]
         self.adam = torch.optim.AdamW(
             [{"params": [f.shard for f in self.flats if f.decay], "weight_decay": cfg.weight_decay},
@@ -201,8 +227,20 @@ class DistributedOptimizer:
         return self.adam.state
 
     def begin(self, micro_batches: int) -> None:
-        """GradSync's (the config check refuses `optimizer.overlap_grad_reduce` here: a no-op)."""
-        self.grad_sync.begin(micro_batches)
+        """Arm the hooks that start the reduce-scatters (`optimizer.overlap_grad_reduce`)."""
+        self.launch.begin(micro_batches)
+        self._pending, self.sink = {}, collectives.TimeSink()
+
+    @property
+    def started_in_backward(self) -> int:
+        """Reduce-scatters the hooks started in the last synced iteration."""
+        return self.launch.started_in_backward
+
+    def _reduce_scatter(self, flat: _FlatGroup) -> collectives.Pending:
+        """Start `flat`'s reduce-scatter on its group's side channel (step 3, overlapped)."""
+        pending = self._pending[id(flat)] = collectives.reduce_scatter_async(
+            flat.grad, flat.group.side_channel(), kind=GRAD_KIND, sink=self.sink)
+        return pending
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers; backward accumulates into the parameters' views of them."""
@@ -217,8 +255,10 @@ class DistributedOptimizer:
     def sync(self) -> None:
         """Steps 2-3: compute-group averages and tied sums, then this rank's reduce-scattered shard."""
         self.grad_sync.sync()
+        self.launch.finish()
         for flat in self.flats:
-            shard = collectives.reduce_scatter(flat.grad, flat.group, kind=GRAD_KIND)
+            pending = self._pending.pop(id(flat), None)  # started by a hook: in flight on the side channel
+            shard = pending.wait() if pending else collectives.reduce_scatter(flat.grad, flat.group, kind=GRAD_KIND)
             flat.shard.grad = shard.mul_(1.0 / self.state.dp_size)
 
     @torch.no_grad()
@@ -330,9 +370,6 @@ def _check_overlap(cfg, world_size: int) -> None:
     opt = cfg.optimizer
     if not opt.grad_bucket_mb > 0:
         raise ConfigError(f"optimizer.grad_bucket_mb={opt.grad_bucket_mb} must be > 0")
-    if opt.overlap_grad_reduce and opt.distributed:
-        raise ConfigError("optimizer.overlap_grad_reduce=true does not work with optimizer.distributed=true: ZeRO-1 "
-                          "reduce-scatters one flat buffer per replica group after backward; turn one off")
     if opt.overlap_grad_reduce and cfg.moe.lancet.defer_wgrad:
         raise ConfigError("optimizer.overlap_grad_reduce=true does not work with moe.lancet.defer_wgrad=true: deferred "
                           "weight gradients land after the hooks that start their buckets' reduction; turn one off")
@@ -340,5 +377,8 @@ def _check_overlap(cfg, world_size: int) -> None:
 
 @SIDE_CHANNELS.register("grad_reduce")
 def _grad_reduce_channels(cfg) -> list:
-    """The dense gradient buckets' sums over ``dp`` during backward get their own communicator."""
-    return ["dp"] if cfg.optimizer.overlap_grad_reduce else []
+    """The gradient buckets reduced during backward get their own communicators: over ``dp`` (dense)
+    and ``edp`` (experts, unless `late_expert_grads`)."""
+    if not cfg.optimizer.overlap_grad_reduce:
+        return []
+    return ["dp"] if late_expert_grads(cfg) else ["dp", "edp"]

@@ -23,21 +23,27 @@ With the distributed optimizer (`replicas=False`) the replica sum over dp / edp 
 left to its reduce-scatter (training/distributed_optimizer.py); the rest happens here.
 
 Overlap (`optimizer.overlap_grad_reduce`, Megatron-Core DDP's `overlap_grad_reduce`): a bucket's sum
-over ``dp`` starts, asynchronously on the dp side channel (its own communicator: NCCL's own stream),
-from a post-accumulate-grad hook as soon as each of its parameters has had its last gradient of the
-iteration: the one of the last of `begin(m)`'s m backward passes (gradient accumulation: earlier
-micro-batches only accumulate, Megatron's `no_sync`). Buckets start in one fixed order (the reverse
-of the parameters', about backward's), a bucket only after the ones before it, so every rank issues
-the same sequence on the communicator; `sync` starts those no hook started (a parameter that got no
-gradient), waits for each before the other groups' sums (tp / esp, the tied embedding's), the scale
-and the copy back, and so before the grad norm, clipping and the optimizer. The same buckets sum the
-same numbers: the result is the non-overlapped path's bit for bit. Buckets of expert parameters
-(`OUT_OF_BAND_KINDS`) are summed after backward as before: their weight gradients are added outside
-autograd (the grouped GEMM's dW, possibly once per batch part or smart-schedule step; replicas' Agg
-and vExpert slot sums at or after its end), so no hook sees their last gradient. A gradient hook or
-an out-of-band addition (`model/precision.py` `grad_buffer`) that comes after its bucket started
-raises instead of being lost. Lancet's deferred dW and the distributed optimizer refuse the option
-(training/distributed_optimizer.py).
+over its replica group (``dp`` for dense, ``edp`` for expert parameters) starts, asynchronously on that
+group's side channel (its own communicator: NCCL's own stream; counted as "<kind>/dp_side",
+"<kind>/edp_side"), from a post-accumulate-grad hook (`HookedLaunch`) as soon as each of its
+parameters has had its last gradient of the iteration: the one of the last of `begin(m)`'s m
+backward passes (gradient accumulation: earlier micro-batches only accumulate, Megatron's
+`no_sync`). Expert weights' gradients are added outside autograd (the grouped GEMM's dW,
+`moe/grouped_gemm.py` `grouped_mm_into_grad`, once per batch part), but the leaf is an input of
+each of those autograd nodes, so its accumulator, and the hook, runs once per backward pass after
+all of them, with nothing to accumulate: the readiness notification. Buckets start in one fixed
+order over both groups (the reverse of the parameters', about backward's), a bucket only after the
+ones before it, so every rank issues the same sequence on each communicator and the same
+interleaving of the two (NCCL's rule for concurrent communicators); `finish` starts those no hook
+started (a parameter that got no gradient) and `sync` waits for each before the other groups' sums
+(tp / esp, the tied embedding's), the scale and the copy back, and so before the grad norm,
+clipping and the optimizer. The same buckets sum the same numbers: the result is the
+non-overlapped path's bit for bit. Expert buckets stay after backward where their gradients get
+additions after backward ends (`late_expert_grads`: replicas' Agg, vExpert slot sums, the smart
+schedule's per-step backward passes). A gradient hook or an out-of-band addition
+(`model/precision.py` `grad_buffer`) that comes after its bucket started raises instead of being
+lost. Lancet's deferred dW refuses the option (training/distributed_optimizer.py); the distributed
+optimizer starts its reduce-scatters with the same `HookedLaunch`.
 
 Global grad norm: each parameter counted exactly once. A param's squared norm is summed over the
 groups in ``p.meta.shards`` (its shards are disjoint pieces); replicated copies (over dp, edp, tp,
@@ -50,7 +56,7 @@ over ``pp`` (`reduce_squared_norms`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,7 +65,6 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.precision import fold_grad, grad_dtype, grad_of, has_main_grad
 
 BUCKET_BYTES = 32 << 20
-OUT_OF_BAND_KINDS = ("expert",)  # ParamMeta kinds whose gradients land outside autograd (module docstring)
 
 # the group whose ranks split a layer's compute, per param kind; a param not sharded over it is
 # replicated there and averaged over it
@@ -108,6 +113,81 @@ def reduce_squared_norms(squared: Dict[Tuple[str, ...], torch.Tensor], state: Pa
     return float(collectives.all_reduce(total.reshape(1), state.pp)[0].sqrt())
 
 
+def late_expert_grads(cfg) -> str:
+    """Why expert parameters' gradients get additions after their last hook under `cfg` (their
+    buckets then start after backward, module docstring); '' when they do not."""
+    if cfg.moe.balancer in ("fastermoe", "proprophet"):
+        return "the replicas' Agg adds into the owners' gradients when backward ends (moe/replicas.py)"
+    if cfg.moe.balancer in ("flexmoe", "eplb"):
+        return "vExpert slots sum their gradients after backward (before_grad_sync)"
+    if cfg.moe.smart_schedule:
+        return "the smart schedule back-propagates each pairwise step on its own (a hook per step)"
+    return ""
+
+
+class HookedLaunch:
+    """Overlap (module docstring): `units`, each (parameters, start: () -> Pending), started from
+    post-accumulate-grad hooks during the last of `begin(m)`'s m backward passes, in the given
+    order, a unit once its parameters have all had their m-th gradient and the units before it
+    started; `finish` starts the rest (same order) and returns every unit's Pending."""
+
+    def __init__(self, units: Sequence[Tuple[List[torch.nn.Parameter], Callable[[], collectives.Pending]]]):
+        self.units = list(units)
+        self._unit_of = {id(p): i for i, (params, _) in enumerate(self.units) for p in params}
+        for params, _ in self.units:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._micro_batches = 0  # backward passes of the armed iteration (`begin`); 0 = hooks idle
+        self._counts: Dict[int, int] = {}  # id(param) -> gradients it got in the armed iteration
+        self._waiting: List[int] = []  # per unit: parameters still to get their last gradient
+        self.pending: List[Optional[collectives.Pending]] = []
+        self.started_in_backward = 0  # units the hooks started in the last finished iteration
+
+    def begin(self, micro_batches: int) -> None:
+        """Arm the hooks for an iteration of `micro_batches` backward passes (no-op without units)."""
+        self._micro_batches = micro_batches if self.units else 0
+        self._counts = dict.fromkeys(self._unit_of, 0)
+        self._waiting = [len(params) for params, _ in self.units]
+        self.pending = []
+        self._seal(False)
+
+    def _seal(self, started: bool, units: Optional[Sequence[int]] = None) -> None:
+        """Mark the parameters of `units` (default: all) as in a started reduction: model/precision.py
+        `grad_buffer` refuses them while they are."""
+        for i in range(len(self.units)) if units is None else units:
+            for p in self.units[i][0]:
+                p.grad_reduce_started = started
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: count `p`'s gradient; start the units that are complete."""
+        if not self._micro_batches:
+            return
+        fold_grad(p)  # bf16: autograd's .grad into the main gradient first, whatever the hooks' order
+        count = self._counts[id(p)] = self._counts[id(p)] + 1
+        if count > self._micro_batches:
+            raise RuntimeError(f"a parameter {tuple(p.shape)} got {count} gradients in {self._micro_batches} backward "
+                               "passes: its bucket's reduction already started (optimizer.overlap_grad_reduce)")
+        if count == self._micro_batches:
+            self._waiting[self._unit_of[id(p)]] -= 1
+            while len(self.pending) < len(self.units) and self._waiting[len(self.pending)] == 0:
+                self._start()
+
+    def _start(self) -> None:
+        self.pending.append(self.units[len(self.pending)][1]())
+        self._seal(True, [len(self.pending) - 1])
+
+    def finish(self) -> List[collectives.Pending]:
+        """Start the units no hook started, in order; disarm; every unit's Pending (none if unarmed)."""
+        if not self._micro_batches:
+            return []
+        self.started_in_backward = len(self.pending)
+        while len(self.pending) < len(self.units):
+            self._start()
+        self._seal(False)
+        self._micro_batches = 0
+        return self.pending
+
+
 @dataclass
 class _Bucket:
     params: List[torch.nn.Parameter]
@@ -115,11 +195,10 @@ class _Bucket:
     scale: float  # then multiply by this
     first: int  # index of its first parameter (overlap: buckets start in decreasing order of it)
     nbytes: int = 0
-    waiting: int = 0  # overlap: parameters still to get their last gradient of the iteration
     pending: Optional[collectives.Pending] = None  # overlap: its first group's sum, in flight
 
 
-def _sync_plan(p: torch.nn.Parameter, state: ParallelState, replicas: bool) -> Tuple[Tuple[str, ...], float]:
+def sync_plan(p: torch.nn.Parameter, state: ParallelState, replicas: bool) -> Tuple[Tuple[str, ...], float]:
     meta = p.meta
     groups, scale = ([REPLICA_GROUP[meta.kind]], 1.0 / state.dp_size) if replicas else ([], 1.0)
     compute = COMPUTE_GROUP[meta.kind]
@@ -135,7 +214,10 @@ class GradSync:
     """Bucketed gradient all-reduce + grad-norm clipping for one model on one ParallelState."""
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.nn.Parameter]], state: ParallelState,
-                 bucket_bytes: int = BUCKET_BYTES, replicas: bool = True, overlap: bool = False):
+                 bucket_bytes: int = BUCKET_BYTES, replicas: bool = True, overlap: bool = False,
+                 overlap_experts: bool = True):
+        """`overlap`: start the replica sums from hooks (module docstring); `overlap_experts`: the
+        expert buckets' too (False where `late_expert_grads` gives a reason)."""
         self.state = state
         self.params = []
         for name, p in named_params:
@@ -145,7 +227,7 @@ class GradSync:
         open_buckets: Dict[tuple, _Bucket] = {}
         self.buckets: List[_Bucket] = []
         for index, p in enumerate(self.params):
-            groups, scale = _sync_plan(p, state, replicas)
+            groups, scale = sync_plan(p, state, replicas)
             if not groups and scale == 1.0:
                 continue
             dtype = grad_dtype(p)  # fp32 main gradients of bf16 parameters
@@ -158,18 +240,14 @@ class GradSync:
             bucket.params.append(p)
             bucket.nbytes += nbytes
         self.buckets.sort(key=lambda b: "embedding" in b.groups)  # the tied embedding's sum last
-        # overlap: the buckets hooks start (their first sum over dp), in the order they start
-        self.launch_order = sorted([b for b in self.buckets if overlap and b.groups[:1] == ("dp",)
-                                    and b.params[0].meta.kind not in OUT_OF_BAND_KINDS], key=lambda b: -b.first)
-        self._bucket_of = {id(p): b for b in self.launch_order for p in b.params}
-        for b in self.launch_order:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-        self._micro_batches = 0  # backward passes of the armed iteration (`begin`); 0 = hooks idle
-        self._counts: Dict[int, int] = {}  # id(param) -> gradients it got in the armed iteration
-        self._next = 0  # launch_order[_next] is the next bucket to start
+        # overlap: the buckets hooks start (their first sum, over dp or edp), in the order they start
+        hooked = {"dense": overlap, "expert": overlap and overlap_experts}
+        self.launch_order = sorted([b for b in self.buckets if hooked[b.params[0].meta.kind]
+                                    and b.groups[:1] == (REPLICA_GROUP[b.params[0].meta.kind],)
+                                    and not any(hasattr(p, "vexpert_slots") for p in b.params)],
+                                   key=lambda b: -b.first)  # (vExperts: slot sums after backward)
+        self.launch = HookedLaunch([(b.params, lambda b=b: self._start(b)) for b in self.launch_order])
         self.sink = collectives.TimeSink()  # {"all_reduce": [exposed, total]} of the started buckets
-        self.started_in_backward = 0  # buckets the hooks started in the last synced iteration
         # grad-norm bookkeeping: params grouped by the (size > 1) groups they are sharded over
         self.norm_keys: Dict[Tuple[str, ...], List[torch.nn.Parameter]] = {}
         for p in self.params:
@@ -186,52 +264,27 @@ class GradSync:
     # -- overlap (module docstring) ------------------------------------------------------------------
     def begin(self, micro_batches: int) -> None:
         """Arm the hooks for an iteration of `micro_batches` backward passes (no-op without overlap)."""
-        self._micro_batches = micro_batches if self.launch_order else 0
-        self._counts = dict.fromkeys(self._bucket_of, 0)
-        self._next = 0
+        self.launch.begin(micro_batches)
         self.sink = collectives.TimeSink()
-        self._seal(False)
-        for b in self.launch_order:
-            b.waiting, b.pending = len(b.params), None
 
-    def _seal(self, started: bool, buckets: Optional[List[_Bucket]] = None) -> None:
-        """Mark the parameters of `buckets` (default: every hooked one) as in a started reduction:
-        model/precision.py `grad_buffer` refuses them while they are."""
-        for b in self.launch_order if buckets is None else buckets:
-            for p in b.params:
-                p.grad_reduce_started = started
+    @property
+    def started_in_backward(self) -> int:
+        """Buckets the hooks started in the last synced iteration."""
+        return self.launch.started_in_backward
 
-    def _grad_ready(self, p: torch.nn.Parameter) -> None:
-        """Post-accumulate-grad hook: count `p`'s gradient; start the buckets that are complete."""
-        if not self._micro_batches:
-            return
-        fold_grad(p)  # bf16: autograd's .grad into the main gradient first, whatever the hooks' order
-        count = self._counts[id(p)] = self._counts[id(p)] + 1
-        if count > self._micro_batches:
-            raise RuntimeError(f"a parameter {tuple(p.shape)} got {count} gradients in {self._micro_batches} backward "
-                               "passes: its bucket's reduction already started (optimizer.overlap_grad_reduce)")
-        if count == self._micro_batches:
-            self._bucket_of[id(p)].waiting -= 1
-            while self._next < len(self.launch_order) and self.launch_order[self._next].waiting == 0:
-                self._start(self.launch_order[self._next])
-
-    def _start(self, bucket: _Bucket) -> None:
-        """Start `bucket`'s sum over its first group (dp) on the side channel; later additions raise."""
+    def _start(self, bucket: _Bucket) -> collectives.Pending:
+        """Start `bucket`'s sum over its first group (dp / edp) on that group's side channel."""
         flat = torch.cat([grad_of(p).reshape(-1) for p in bucket.params])
-        bucket.pending = collectives.all_reduce_async(flat, self.state.groups[bucket.groups[0]], sink=self.sink,
-                                                      side=True)
-        self._seal(True, [bucket])
-        self._next += 1
+        bucket.pending = collectives.all_reduce_async(flat, self.state.groups[bucket.groups[0]].side_channel(),
+                                                      sink=self.sink)
+        return bucket.pending
 
     @torch.no_grad()
     def sync(self) -> None:
         """Average gradients over replicas (module docstring); with overlap, start the buckets no hook
         started, in the same order, and wait for each."""
         self._fill_missing_grads()
-        self.started_in_backward = self._next
-        if self._micro_batches:
-            while self._next < len(self.launch_order):
-                self._start(self.launch_order[self._next])
+        self.launch.finish()
         for bucket in self.buckets:
             grads = [grad_of(p) for p in bucket.params]
             if not bucket.groups:
@@ -249,8 +302,6 @@ class GradSync:
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
-        self._seal(False)
-        self._micro_batches = 0
 
     @torch.no_grad()
     def grad_norm(self) -> float:

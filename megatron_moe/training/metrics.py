@@ -47,10 +47,14 @@ def format_console(record: Record, train_iters: int, eta_s: float) -> str:
             f"ETA {datetime.timedelta(seconds=round(eta_s))}")
     if "binary_loss" in record:
         line += f" | binary loss {record['binary_loss']:.4f}"
+    if "mtp_loss" in record:  # multi-token prediction (model/mtp.py); TensorBoard `mtp_loss`
+        line += f" | mtp loss {record['mtp_loss']:.4f}"
     if record.get("skipped_iterations"):
         line += f" | skipped {record['skipped_iterations']} non-finite"
     if "eval_loss" in record:
         line += f" | eval loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
+    for task, values in record.get("lm_eval", {}).items():  # evaluation.lm_eval_tasks (evaluation/during_training.py)
+        line += f" | {task} " + " ".join(f"{k} {v:.3f}" for k, v in values.items())
     return line
 
 

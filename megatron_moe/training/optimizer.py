@@ -34,13 +34,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, state: Optional[ParallelState] = None,
-                    compiled: bool = False):
+                    compiled: bool = False, overlap_experts: bool = True):
     """AdamW over the model's parameters, or with `optimizer.distributed` over this rank's ZeRO-1
     shards of them (training/distributed_optimizer.py; needs `state`). `compiled`
     (`training.compile`): bf16 parameters' AdamW and master copy as one compiled pass
-    (training/mixed_precision.py)."""
+    (training/mixed_precision.py). `overlap_experts`: DistributedOptimizer's."""
     if cfg.distributed:
-        return DistributedOptimizer(model, cfg, state or ParallelState.single_process())
+        return DistributedOptimizer(model, cfg, state or ParallelState.single_process(), overlap_experts)
     params = [p for p in model.parameters() if p.requires_grad]
     if any(p.dtype != torch.float32 for p in params):  # bf16 parameters: fp32 masters (training/mixed_precision.py)
         from megatron_moe.training.mixed_precision import MixedPrecisionAdamW

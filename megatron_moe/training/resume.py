@@ -41,16 +41,24 @@ ARCHITECTURE = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size"
                 "model.num_query_groups", "model.head_dim", "model.qk_norm", "model.qkv_bias", "model.vocab_size",
                 "model.normalization", "model.activation", "model.position_embedding", "model.bias",
                 "model.tie_embeddings", "model.binary_head", "moe.num_experts", "moe.expert_ffn_hidden_size",
-                "moe.layer_freq", "moe.shared_expert_ffn_hidden_size", "moe.shared_expert_gate", "moe.expert_bias")
+                "moe.layer_freq", "moe.shared_expert_ffn_hidden_size", "moe.shared_expert_gate", "moe.expert_bias",
+                "moe.first_k_dense", "moe.layer_pattern", "model.mtp_depth",
+                # gpt-oss (model/attention_variants.py, moe/router.py, moe/experts.py)
+                "model.attention_output_bias", "model.attention_sinks", "model.sliding_window", "model.layer_types",
+                "moe.activation", "moe.swiglu_limit", "moe.router_bias", "moe.expert_proj_bias")
 TUNABLE = ("training.train_iters", "training.lr_decay_iters", "training.log_interval", "training.eval_interval",
            "training.eval_iters", "training.on_nonfinite", "training.precision", "training.inject_nan_at",
            "optimizer.", "logging.", "moe.balancer", "moe.fastermoe.", "moe.proprophet.", "moe.flexmoe.", "moe.eplb.",
-           "moe.aux_loss_coeff", "moe.z_loss_coeff", "moe.expert_bias_rate", "model.dropout")
+           "moe.aux_loss_coeff", "moe.z_loss_coeff", "moe.expert_bias_rate", "model.dropout", "training.mtp_loss_weight")
 # null keys compared by the value they stand for
 EFFECTIVE = {
     "model.num_query_groups": lambda c: c.model.num_query_groups or c.model.num_attention_heads,
     "model.head_dim": lambda c: c.model.head_dim or c.model.hidden_size // c.model.num_attention_heads,
     "model.qkv_bias": lambda c: c.model.bias if c.model.qkv_bias is None else c.model.qkv_bias,
+    "model.attention_output_bias": lambda c: (c.model.bias if c.model.attention_output_bias is None
+                                              else c.model.attention_output_bias),
+    "moe.expert_proj_bias": lambda c: c.model.bias if c.moe.expert_proj_bias is None else c.moe.expert_proj_bias,
+    "moe.activation": lambda c: c.moe.activation or c.model.activation,
     "moe.expert_ffn_hidden_size": lambda c: c.moe.expert_ffn_hidden_size or c.model.ffn_hidden_size,
     "moe.norm_topk_prob": lambda c: c.moe.top_k > 1 if c.moe.norm_topk_prob is None else c.moe.norm_topk_prob,
 }

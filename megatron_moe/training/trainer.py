@@ -6,7 +6,9 @@ j % dp == d (`data/batches.py`) and back-propagates (lm_loss + aux_loss) / num_l
 for each; `GradSync` then averages over replicas, so every layout computes the gradient of the same
 global-batch mean loss. The reported loss is the mean of lm_loss over all the global batch's
 micro-batches (all-reduced over dp): identical on every rank and every layout. Models with a
-binary head (BERT) add its loss to the objective and report it as `binary_loss`.
+binary head (BERT) add its loss to the objective and report it as `binary_loss`; multi-token
+prediction (`model.mtp_depth`, model/mtp.py) adds `training.mtp_loss_weight` x its loss (1/D sum of
+the depths' cross-entropies) and reports that loss as `mtp_loss`; `loss` stays the LM loss.
 
 The data builder (`datasets(cfg) -> (train, valid)`, GPT by default) follows the model class;
 global batch i is samples [i*B, (i+1)*B) of the seed-shuffled dataset (`data/batches.py`).
@@ -16,8 +18,8 @@ configured schedule (training/pipeline.py); a stage reports its part of the loss
 stage the lm and binary losses, every stage its MoE aux losses), summed over ``pp``. With one stage
 the schedule is the plain loop: forward j, backward j. `optimizer.distributed` shards AdamW's state
 (training/distributed_optimizer.py); it then syncs and clips the gradients itself. With
-`optimizer.overlap_grad_reduce` the dense buckets' sums over dp start from gradient hooks during the
-last micro-batch's backward (`GradSync.begin`, training/grads.py).
+`optimizer.overlap_grad_reduce` the buckets' sums over dp / edp (ZeRO-1: reduce-scatters) start from
+gradient hooks during the last micro-batch's backward (`GradSync.begin`, training/grads.py).
 
 Precision (docs/precision.md): fp32, or bf16 as Megatron-LM's `--bf16`: bf16 parameters and
 activations (model/precision.py), fp32 main gradients accumulated over the micro-batches, AdamW on
@@ -35,13 +37,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_moe.config import Config, save_config
+from megatron_moe.config.registry import Hooks
 from megatron_moe.data.batches import Batch, collate, global_batch, rank_micro_batches
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.launch import default_device
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.training.completion import clear_complete_marker, read_complete_marker, write_complete_marker
 from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
-from megatron_moe.training.grads import GradSync
+from megatron_moe.training.grads import GradSync, late_expert_grads
 from megatron_moe.training.lr import learning_rate
 from megatron_moe.moe.expert_bias import update_expert_biases
 from megatron_moe.moe.stats import IterationMoEStats
@@ -54,7 +57,7 @@ from megatron_moe.training.pipeline import ChunkOutput, PipelineRunner
 from megatron_moe.training.pipeline_schedules import expected_bubble
 from megatron_moe.training.resume import check_resume, nothing_to_train
 from megatron_moe.model.precision import cast_params_
-from megatron_moe.model.transformer import is_moe_layer
+from megatron_moe.model.transformer import moe_layer_flags
 from megatron_moe.perf import timing
 from megatron_moe.training.calibrate import resolve_hardware_profile
 
@@ -67,6 +70,9 @@ def training_device(cfg: Config) -> torch.device:
 TIMING_KEYS = ("plan_ms", "trans_exposed_ms", "trans_total_ms", "agg_exposed_ms", "agg_total_ms")
 # communication of an iteration that runs after its byte / time snapshot (vExpert moves, ZeRO's all-gather)
 LATE_KINDS = (MOVE_KIND, PARAM_KIND)
+# trainer -> an evaluator with `due(iteration)` and `run()` -> the record's `lm_eval` entry: lm-eval tasks
+# during training (evaluation.lm_eval_tasks), filled by evaluation/during_training.py (a floor above)
+TRAINING_EVALS: Hooks = Hooks("training evaluation", ("evaluation.lm_eval_tasks",))
 
 
 class Trainer:
@@ -83,13 +89,16 @@ class Trainer:
         self.cfg, self.state = cfg, state
         torch.manual_seed(tr.seed + state.dp.rank)  # same stream on TP ranks, distinct per data replica
         self.model = cast_params_(model_cls(cfg, state).to(self.device), tr.precision)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, state, compiled=tr.compile)
+        overlap_experts = not late_expert_grads(cfg)  # overlap_grad_reduce: expert buckets from hooks too
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, state, compiled=tr.compile,
+                                         overlap_experts=overlap_experts)
         if isinstance(self.optimizer, DistributedOptimizer):
             self.grads = self.optimizer  # reduce-scatters into its shards, norm and clip over them
         else:
-            opt = cfg.optimizer  # overlap_grad_reduce: dense buckets summed over dp from gradient hooks
+            opt = cfg.optimizer  # overlap_grad_reduce: buckets summed over dp / edp from gradient hooks
             self.grads = GradSync(list(self.model.named_parameters()), state,
-                                  bucket_bytes=int(opt.grad_bucket_mb * 2 ** 20), overlap=opt.overlap_grad_reduce)
+                                  bucket_bytes=int(opt.grad_bucket_mb * 2 ** 20), overlap=opt.overlap_grad_reduce,
+                                  overlap_experts=overlap_experts)
         self.train_data, self.valid_data = datasets(cfg)
         self.has_binary_head = self.model.has_binary_loss  # BERT's sentence-order / next-sentence head
         self.num_micro_batches = tr.global_batch_size // (tr.micro_batch_size * state.dp_size)  # per rank
@@ -128,8 +137,8 @@ class Trainer:
     # -- one iteration --------------------------------------------------------------------------
     def forward_backward(self, index: int) -> Tuple[torch.Tensor, Optional[IterationMoEStats]]:
         """Accumulate gradients of global batch `index` (0-based). Returns this rank's
-        ([lm_loss, aux_loss, binary_loss] sums over its micro-batches, MoE stats summed over them or None)."""
-        sums = torch.zeros(3, device=self.device)
+        ([lm_loss, aux_loss, binary_loss, mtp_loss] sums over its micro-batches, MoE stats summed over them or None)."""
+        sums = torch.zeros(4, device=self.device)
         batches = self.micro_batches(self.train_data, index)
         stats: Dict[int, list] = {}  # micro-batch -> its MoE layers' stats, chunk after chunk
         zero = torch.zeros((), device=self.device)
@@ -144,9 +153,11 @@ class Trainer:
             if index + 1 == self.cfg.training.inject_nan_at and self.state.rank == self.first_of_last_stage:
                 lm_loss = lm_loss * float("nan")  # test-only hook (training.inject_nan_at)
             binary_loss = out.binary_loss if out.binary_loss is not None else zero
+            mtp_loss = out.mtp_loss if out.mtp_loss is not None else zero
             sums.add_(torch.stack([lm_loss.detach().float(), out.aux_loss.detach().float(),
-                                   binary_loss.detach().float()]))
-            return ChunkOutput(None, (lm_loss + out.aux_loss + binary_loss) / self.num_micro_batches)
+                                   binary_loss.detach().float(), mtp_loss.detach().float()]))
+            objective = lm_loss + out.aux_loss + binary_loss + self.cfg.training.mtp_loss_weight * mtp_loss
+            return ChunkOutput(None, objective / self.num_micro_batches)
 
         self.pipeline.run(self.pipeline.train_program, forward_step)
         moe = None
@@ -238,8 +249,8 @@ class Trainer:
         # read after the step's synchronize below (on CUDA nothing waits for the GPU before it)
         comm_times = collectives.COMM_STATS.seconds_by_kind(resolve=False)
         a2a = collectives.COMM_STATS.seconds_by_phase(A2A_KINDS, resolve=False)
-        loss, aux_loss, binary_loss = self.mean_over_dp(sums, self.num_micro_batches)
-        if all_finite([loss, aux_loss, binary_loss, grad_norm]):  # the same on every rank
+        loss, aux_loss, binary_loss, mtp_loss = self.mean_over_dp(sums, self.num_micro_batches)
+        if all_finite([loss, aux_loss, binary_loss, mtp_loss, grad_norm]):  # the same on every rank
             with self.timer("optimizer"):
                 self.optimizer.step()
         elif self.cfg.training.on_nonfinite == "stop":
@@ -273,6 +284,7 @@ class Trainer:
             "a2a_total_ms": {k: v * 1e3 for k, v in a2a["total"].items()},
             "skipped_iterations": self.skipped_iterations,
             **({"binary_loss": binary_loss} if self.has_binary_head else {}),
+            **({"mtp_loss": mtp_loss} if self.cfg.model.mtp_depth else {}),
         }
 
     def step_details(self) -> Record:
@@ -299,7 +311,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> Record:
-        """Mean lm_loss and perplexity over `eval_iters` fixed global batches of held-out data."""
+        """Mean lm_loss and perplexity over `eval_iters` fixed global batches of held-out data (the
+        LM loss only: multi-token prediction does not run in evaluation, model/mtp.py)."""
         self.model.eval()
         total = torch.zeros(1, device=self.device)
         for index in range(self.cfg.training.eval_iters):
@@ -342,6 +355,7 @@ class Trainer:
         metrics.print(f"{self.state.describe()} | {sum(p.numel() for p in self.model.parameters()):,} "
                       f"local parameters | {self.num_micro_batches} micro-batches per rank per iteration")
         records, elapsed, stopped = [], 0.0, False
+        lm_eval = TRAINING_EVALS.get("evaluation.lm_eval_tasks")(self) if self.cfg.evaluation.lm_eval_tasks else None
         trace = self.routing_trace_writer() if writer and self.cfg.logging.routing_trace else None
         try:
             with StopRequest(self.state, self.device) as stop:
@@ -351,7 +365,8 @@ class Trainer:
                     stopping = stop.agreed()  # preemption: every rank stops after the same iteration
                     evaluate = tr.eval_iters > 0 and tr.eval_interval > 0 and (
                         iteration % tr.eval_interval == 0 or iteration == tr.train_iters)
-                    logged = (evaluate or stopping or iteration == 1 or iteration % tr.log_interval == 0
+                    lm_eval_due = lm_eval is not None and lm_eval.due(iteration)
+                    logged = (evaluate or lm_eval_due or stopping or iteration == 1 or iteration % tr.log_interval == 0
                               or iteration == tr.train_iters)
                     self.routed_per_source = None
                     if logged or self.cfg.logging.routing_trace or self.image_due(iteration):  # the same on every rank
@@ -359,6 +374,8 @@ class Trainer:
                         self.log_routing(iteration, trace, metrics)
                     if evaluate:
                         record.update(self.evaluate())
+                    if lm_eval_due:  # collective; the training RNG and data untouched
+                        record["lm_eval"] = lm_eval.run()
                     if logged:
                         metrics.log(record, eta_s=elapsed / (iteration - start) * (tr.train_iters - iteration))
                         records.append(record)
@@ -440,7 +457,7 @@ class Trainer:
         from megatron_moe.moe.routing_trace import RoutingTraceWriter
 
         moe = self.cfg.moe
-        layers = [i for i in range(self.cfg.model.num_layers) if is_moe_layer(i, moe.layer_freq)]
+        layers = [i for i, flag in enumerate(moe_layer_flags(self.cfg)) if flag]  # MTP layers' after the model's
         return RoutingTraceWriter(os.path.join(self.cfg.training.run_dir, "routing"), {
             "num_moe_layers": len(layers), "moe_layer_indices": layers, "num_sources": self.state.dp_size,
             "num_experts": moe.num_experts, "top_k": moe.top_k,

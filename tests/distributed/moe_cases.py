@@ -30,6 +30,7 @@ CASES = [  # (capacity_factor, top_k, activation, bias)
     (None, 1, "swiglu", False),
     (1.0, 1, "swiglu", False),  # + VARIANTS[4]
     (1.0, 2, "gelu", True),  # + VARIANTS[5]
+    (1.0, 2, "swiglu", False),  # + VARIANTS[6]
 ]
 VARIANTS = {  # moe.* keys of a case beyond the plain softmax router
     # DeepSeek-V3-like: sigmoid scores, expert bias, group-limited (2 groups of 2, the best one), scaled, shared expert
@@ -37,6 +38,8 @@ VARIANTS = {  # moe.* keys of a case beyond the plain softmax router
             topk_scaling_factor=2.5, shared_expert_ffn_hidden_size=8),
     # Qwen2-MoE-like: raw top-k probabilities, a gated shared expert
     5: dict(norm_topk_prob=False, shared_expert_ffn_hidden_size=8, shared_expert_gate=True),
+    # gpt-oss-like: router bias, expert biases without model.bias, clamped SwiGLU (a limit that clamps)
+    6: dict(router_bias=True, expert_proj_bias=True, activation="swiglu_oss", swiglu_limit=0.8),
 }
 
 

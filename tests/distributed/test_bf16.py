@@ -13,7 +13,10 @@ iteration, with
 * pipeline=2 expert=2, one rank per node, with the node-deduplicated dispatch
   (`moe.token_dispatch=node_dedup`: its proxies' partial sums travel in bf16) and EPLB;
 * expert=4 resuming the single-process *fp32* run's checkpoint of iteration 2 with the distributed
-  optimizer: its masters are the fp32 weights, so iterations 3.. follow the fp32 run to bf16 accuracy.
+  optimizer: its masters are the fp32 weights, so iterations 3.. follow the fp32 run to bf16 accuracy;
+* tensor=2 expert=2 of a gpt-oss-shaped model (`GPT_OSS`: attention sinks, alternating sliding
+  windows, q/k/v/o biases without model.bias, router and expert biases, swiglu_oss) with FasterMoE's
+  replicas and selective recomputation, against its own single-process bf16 run.
 
 Tolerance. Every layout runs the same operations in bf16, but splits some of them differently:
 a tensor-parallel GEMM rounds each rank's partial sum to bf16 before the all-reduce, recomputation
@@ -66,6 +69,13 @@ JOBS = {  # name: (RankLayout kwargs, overrides)
         "moe.balancer=eplb", "moe.eplb.interval=1"]),
 }
 RESUME_AT = 2
+GPT_OSS = ["model.bias=false", "model.activation=swiglu", "model.normalization=rmsnorm", "model.qkv_bias=true",
+           "model.attention_output_bias=true", "model.attention_sinks=true", "model.sliding_window=5",
+           "model.layer_types=[sliding_attention,full_attention,sliding_attention,full_attention]",
+           "moe.router_bias=true", "moe.expert_proj_bias=true", "moe.activation=swiglu_oss", "moe.swiglu_limit=1.0"]
+OSS_JOB = ("tp2-ep2-gpt-oss-fastermoe-selective", dict(tensor=2, expert=2), GPT_OSS + [
+    "parallel.tensor=2", "parallel.expert=2", "moe.balancer=fastermoe", "moe.fastermoe.min_shadow=1",
+    "training.recompute=selective", PROFILE])
 
 
 def _train(state, tmp: str, name: str, overrides) -> list:
@@ -105,12 +115,13 @@ def test_bf16_layouts_train_like_one_bf16_process(tmp_path, backend):
     jobs = [(name, kwargs, BF16 + on + overrides) for name, (kwargs, overrides) in JOBS.items()]
     jobs.append(("ep4-distributed-from-fp32", dict(expert=4),
                  BF16 + on + ["parallel.expert=4", "optimizer.distributed=true"] + resume))
+    jobs.append((OSS_JOB[0], OSS_JOB[1], BF16 + on + OSS_JOB[2]))
+    wants = [reference] * len(JOBS) + [fp32[RESUME_AT:], _train(one, tmp, "ref-bf16-oss", BF16 + on + GPT_OSS)]
     outputs = run_distributed(4, _jobs, jobs[0][1], (jobs, tmp), timeout=900, backend=backend)
     for i, (name, _, _) in enumerate(jobs):
         for rank, out in enumerate(outputs):
-            want = reference if i < len(JOBS) else fp32[RESUME_AT:]
             # resumed from fp32: bf16 against the fp32 continuation, from the same fp32 weights
-            _close(out[i], want, f"{name} rank {rank}", *(() if i < len(JOBS) else (4 * U, 16 * U)))
+            _close(out[i], wants[i], f"{name} rank {rank}", *((4 * U, 16 * U) if i == len(JOBS) else ()))
     # bf16 is not fp32: the single-process runs differ, but by rounding (the 300-iteration demo
     # curve: benchmarks/bf16_loss_curve.py)
     _close(reference, fp32, "bf16 vs fp32", 4 * U, 16 * U)

@@ -100,7 +100,7 @@ def _trainer_grads(cfg, state):
     trainer = Trainer(cfg, state)
     sums, _ = trainer.forward_backward(0)
     trainer.grads.sync()
-    loss, aux, _ = trainer.mean_over_dp(sums, trainer.num_micro_batches)
+    loss, aux = trainer.mean_over_dp(sums, trainer.num_micro_batches)[:2]
     # numpy: tensors would travel between processes as shared-memory handles that die with the worker
     grads = {n: (p.meta.local_slices(state), p.grad.cpu().numpy().copy()) for n, p in trainer.model.named_parameters()}
     return loss, aux, trainer.grads.grad_norm(), grads

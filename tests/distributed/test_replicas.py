@@ -27,7 +27,8 @@ from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import load_profile, save_profile
 from megatron_moe.moe.replicas import AGG_KIND, TRANS_KIND
 from tests.distributed.harness import BACKENDS, per_world_spawner
-from tests.distributed.moe_cases import CASES, E, FFN, H, check_against_reference, run_on_layouts
+from megatron_moe.config.validate import expert_proj_bias
+from tests.distributed.moe_cases import E, FFN, H, case_config, check_against_reference, run_on_layouts
 from tests.distributed.test_moe_parm import TESTBED_B
 
 SHADOWED = (0, E - 1)
@@ -35,6 +36,7 @@ RUNS = [  # (schedule, saa, case): dropless and capacity with drops; gelu + bias
     ("baseline", False, 0), ("baseline", False, 1),
     ("s1", False, 2), ("s2", False, 0), ("s2", True, 1), ("auto", True, 3),
     ("s2", True, 4), ("baseline", False, 5),  # router variants + shared experts (moe_cases.VARIANTS)
+    ("s1", False, 6),  # gpt-oss: router bias, expert biases without model.bias, swiglu_oss
 ]
 LAYOUTS = [(2, dict(expert=2)), (4, dict(expert=4)), (8, dict(tensor=2, expert=2, expert_shard=2))]
 
@@ -98,9 +100,10 @@ def spawned(tmp_path_factory):
 def _shard_params(index: int, layout: RankLayout) -> int:
     """Elements of one expert's parameters on one ESP shard: w1 [h, (2,) f'], w2 [f', h],
     b1 [(2,) f'] and b2 [h / esp] with biases; f' = FFN / esp."""
-    _, _, activation, bias = CASES[index]
+    cfg = case_config(index)
+    activation, bias = cfg.moe.activation or cfg.model.activation, expert_proj_bias(cfg)
     units = FFN // layout.expert_shard
-    gates = 2 if activation == "swiglu" else 1
+    gates = 2 if activation in ("swiglu", "swiglu_oss") else 1
     return H * gates * units + units * H + (gates * units + H // layout.expert_shard if bias else 0)
 
 
@@ -140,7 +143,7 @@ def test_replicas_equal_reference_with_formula_bytes(world, layout_kwargs, backe
             members = {e: {owner[e], *holders[e]} for e in replicated}
             everywhere = sum(1 for e in replicated if len(members[e]) == layout.expert)  # broadcast / reduce
             pairs = any(len(members[e]) < layout.expert and ep_rank in members[e] for e in replicated)
-            calls = everywhere * (4 if CASES[index][3] else 2) + pairs  # w1, w2 (b1, b2); one p2p batch
+            calls = everywhere * (4 if expert_proj_bias(case_config(index)) else 2) + pairs  # w1, w2 (b1, b2); p2p
             assert {k: out[i][0]["calls"].get(f"{k}/ep_side", 0) for k in (TRANS_KIND, AGG_KIND)} == \
                 {TRANS_KIND: calls, AGG_KIND: calls}, (label, rank, out[i][0]["calls"])
             assert out[i][0]["stats"].replicas == sum(len([q for q in holders[e] if q != owner[e]])

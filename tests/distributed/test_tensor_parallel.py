@@ -1,12 +1,13 @@
 """Tensor-parallel layers, vocab-parallel cross-entropy and the dense GPT on tp=2 and tp=4 against
 the same modules built on one process (values, parameter gradients via `meta.local_slices`, input
 gradients), including layout-independent initialization and a padded vocabulary; the GPT also with
-grouped-query attention (TP splits the query groups) and per-head / full QK-norm."""
+grouped-query attention (TP splits the query groups) and per-head / full QK-norm, and gpt-oss's
+attention (sinks, a sliding window, q/k/v/o biases) and DeepSeek-V3's multi-head latent attention."""
 import pytest
 import torch
 from torch.testing import assert_close
 
-from megatron_moe.config.schema import Config
+from megatron_moe.config.schema import Config, RopeScalingConfig
 from megatron_moe.config.validate import validate_config
 from megatron_moe.distributed import collectives as C
 from megatron_moe.distributed.parallel_state import ParallelState
@@ -25,6 +26,16 @@ MIXTRAL = dict(normalization="rmsnorm", activation="swiglu", position_embedding=
 # GQA (4 query groups of 2 heads: tp=4 holds one group) with head_dim != h / heads, per-head or full QK-norm
 QWEN3 = dict(MIXTRAL, num_attention_heads=8, num_query_groups=4, head_dim=6, qk_norm="head")
 OLMOE = dict(MIXTRAL, num_attention_heads=8, num_query_groups=4, qk_norm="full", qkv_bias=True)
+# gpt-oss: sinks sharded by head, a sliding window (3 of 8 positions) on layer 0, q/k/v/o biases without model.bias
+GPT_OSS = dict(MIXTRAL, num_attention_heads=8, num_query_groups=4, qkv_bias=True, attention_output_bias=True,
+               attention_sinks=True, sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+# DeepSeek-V3's multi-head latent attention (model/mla.py) with YaRN's mscale: heads split over TP, the
+# replicated down projections and their norms whole on every rank (their full gradient, no extra sync)
+DEEPSEEK = dict(MIXTRAL, attention="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                v_head_dim=5, rope_scaling=RopeScalingConfig("yarn", 4.0, 4, mscale=0.9, mscale_all_dim=1.0))
+DEEPSEEK_LITE = dict(DEEPSEEK, q_lora_rank=None)  # one query projection, column-parallel
+# multi-token prediction (model/mtp.py): eh_proj column-parallel, the shared vocab-parallel head and table
+MTP_UNTIED, MTP_TIED = dict(MIXTRAL, mtp_depth=2), dict(GPT2, mtp_depth=1)
 
 
 def _shard_last(t, state):
@@ -132,6 +143,9 @@ def _check_gpt(state, flavour):
     out, ref_out = model(tokens, labels, loss_mask), ref(tokens, labels, loss_mask)
     assert out.logits is None and out.aux_loss.item() == 0.0
     assert_close(out.lm_loss, ref_out.lm_loss, **TOL)
+    if cfg.model.mtp_depth:
+        assert_close(out.mtp_loss, ref_out.mtp_loss, **TOL)
+        out.lm_loss, ref_out.lm_loss = out.lm_loss + out.mtp_loss, ref_out.lm_loss + ref_out.mtp_loss
     out.lm_loss.backward()
     ref_out.lm_loss.backward()
     for name, p in model.named_parameters():
@@ -139,18 +153,19 @@ def _check_gpt(state, flavour):
     return out.lm_loss.item()
 
 
-def _replicated_grads_with_dropout(state):
+def _replicated_grads_with_dropout(state, flavour=GPT2, prefix=""):
     """With dropout on, TP-replicated parameters must get identical gradients on every TP rank."""
-    model = GPTMoEModel(_gpt_config(GPT2, dropout=0.2), state).train()
+    model = GPTMoEModel(_gpt_config(flavour, dropout=0.2), state).train()
     tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(9))
     model(tokens, tokens).lm_loss.backward()
-    return {n: p.grad for n, p in model.named_parameters() if not p.meta.shards}
+    return {prefix + n: p.grad for n, p in model.named_parameters() if not p.meta.shards}
 
 
 def _check_tensor_parallel(state):
     _check_layers(state)
-    losses = [_check_gpt(state, flavour) for flavour in (GPT2, MIXTRAL, QWEN3, OLMOE)]
-    return losses, _replicated_grads_with_dropout(state)
+    losses = [_check_gpt(state, flavour) for flavour in (GPT2, MIXTRAL, QWEN3, OLMOE, GPT_OSS, DEEPSEEK, DEEPSEEK_LITE,
+                                                     MTP_UNTIED, MTP_TIED)]
+    return losses, {**_replicated_grads_with_dropout(state), **_replicated_grads_with_dropout(state, DEEPSEEK, "mla/")}
 
 
 @pytest.mark.distributed

@@ -35,8 +35,10 @@ def test_an_unexportable_config_is_one_line_and_exit_2(capsys):
     assert code == 2 and err == ("config error: cannot export to mixtral: not MixtralForCausalLM-shaped: "
                                  "model.qk_norm=head (Mixtral has no QK-norm); this config exports to qwen3_moe\n")
     code, out, err = check(capsys, GPTMoEModel, QWEN3 + ["--export-family", "llama"])
+    from megatron_moe.convert.hf_families import FAMILIES  # every family export-hf writes, sorted
+
     assert code == 2 and err == ("config error: --export-family llama: not a family export-hf writes "
-                                 "(one of mixtral, olmoe, qwen2_moe, qwen3_moe, or auto)\n")
+                                 f"(one of {', '.join(sorted(FAMILIES))}, or auto)\n")
     code, out, err = check(capsys, BertMoEModel, ["--check-config", "--config", "configs/bert_moe_tiny.yaml",
                                                   "--export-family", "auto"])
     assert code == 2 and err == ("config error: BertMoEModel exports to no Hugging Face family (only GPT-MoE "

@@ -126,3 +126,13 @@ def test_upcycle_refusals(tmp_path):
         offline.import_hf(str(tmp_path / "dense"), str(tmp_path / "x"), num_experts=2, top_k=4)
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported; supported: .* llama, mistral, qwen3"):
         import_family_of("gpt2")
+
+
+@pytest.mark.parametrize("override", ["moe.activation=swiglu_oss", "moe.expert_proj_bias=true"])
+def test_upcycle_refuses_experts_that_compute_another_function(override):
+    """Copies of a dense SwiGLU FFN without biases are not gpt-oss experts (clamped SwiGLU, biases)."""
+    from megatron_moe.config import load_config
+
+    target = load_config(None, ["model.activation=swiglu", "model.bias=false", "moe.num_experts=4", override])
+    with pytest.raises(ValueError, match="^upcycling copies the dense FFN into the experts.*" + override.split("=")[0]):
+        offline.upcycle_weights({}, target)

@@ -13,7 +13,7 @@ from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.model.attention import SelfAttention
 from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.tensor_parallel.param_meta import init_model_from_seed_
-from megatron_moe.model.transformer import is_moe_layer
+from megatron_moe.model.transformer import moe_layer_flags
 from megatron_moe.tensor_parallel import DropoutRNG, vocab_parallel_cross_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -236,9 +236,19 @@ def test_dropout_only_in_training():
 
 
 def test_moe_layer_indices():
-    assert [i for i in range(6) if is_moe_layer(i, 1)] == [0, 1, 2, 3, 4, 5]
-    assert [i for i in range(6) if is_moe_layer(i, 2)] == [1, 3, 5]
-    assert [i for i in range(6) if is_moe_layer(i, 7)] == []
+    def moe(freq, first_k_dense=0, pattern=None, mtp=0):
+        cfg = Config()
+        cfg.model.num_layers, cfg.model.mtp_depth = 6, mtp
+        cfg.moe.layer_freq, cfg.moe.first_k_dense, cfg.moe.layer_pattern = freq, first_k_dense, pattern
+        return [i for i, flag in enumerate(moe_layer_flags(cfg)) if flag]
+
+    assert moe(1) == [0, 1, 2, 3, 4, 5]
+    assert moe(2) == [1, 3, 5]
+    assert moe(7) == [] and moe(7, mtp=2) == []  # a dense model's MTP layers stay dense
+    assert moe(1, first_k_dense=3) == [3, 4, 5] and moe(2, first_k_dense=2) == [3, 5]
+    assert moe(1, pattern=[0, 1, 1, 0, 1, 0]) == [1, 2, 4]
+    # MTP depth k is layer 6 + k - 1, MoE as the last layer (DeepSeek-V3: first 3 dense, the rest and MTP MoE)
+    assert moe(1, first_k_dense=3, mtp=2) == [3, 4, 5, 6, 7] and moe(1, pattern=[1, 1, 1, 1, 1, 0], mtp=1) == [0, 1, 2, 3, 4]
 
 
 def test_sequence_longer_than_positions_is_rejected():

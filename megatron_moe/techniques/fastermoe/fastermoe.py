@@ -30,7 +30,7 @@ from megatron_moe.moe.placement import Placement
 from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
 from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile, expert_shape
 from megatron_moe.config.errors import ConfigError
-from megatron_moe.config.validate import section_check
+from megatron_moe.config.validate import expert_proj_bias, section_check
 from megatron_moe.perf.hardware import PROFILE_NEEDS
 from megatron_moe.distributed.parallel_state import SIDE_CHANNELS
 
@@ -108,7 +108,7 @@ class FasterMoE(Balancer):
         m, shape = cfg.model, expert_shape(cfg, state)
         self.cost = ShadowCostModel.from_profile(configured_profile(cfg, BALANCER_OPS, "moe.balancer=fastermoe"),
                                                  flops_per_row=shape.flops_per_row,
-                                                 params_per_expert=float(shape.params(m.bias, state.esp_size)),
+                                                 params_per_expert=float(shape.params(expert_proj_bias(cfg), state.esp_size)),
                                                  hidden=m.hidden_size,
                                                  eq8=cfg.moe.fastermoe.eq8)
         self.min_shadow = cfg.moe.fastermoe.min_shadow

@@ -39,7 +39,7 @@ from megatron_moe.techniques.flexmoe.flexmoe_policy import (amortize_steps, chec
                                                             straggler_plan)
 from megatron_moe.techniques.flexmoe.vexpert_base import MOVES, SlotBalancer, check_options
 from megatron_moe.perf.hardware import BALANCER_OPS, PROFILE_NEEDS, configured_profile, expert_shape
-from megatron_moe.config.validate import section_check
+from megatron_moe.config.validate import expert_proj_bias, section_check
 from megatron_moe.distributed.parallel_state import SIDE_CHANNELS
 
 _KIND = {Expand: "expand", Shrink: "shrink", Migrate: "migrate"}
@@ -69,7 +69,7 @@ class FlexMoE(SlotBalancer):
         self.escape = escape_plan if fm.policy == "straggler" else None
         profile = configured_profile(cfg, BALANCER_OPS, "moe.balancer=flexmoe")
         shape = expert_shape(cfg, state)
-        params = shape.params(cfg.model.bias, state.esp_size)
+        params = shape.params(expert_proj_bias(cfg), state.esp_size)
         self.cost = FlexCostModel(seconds_per_token=3 * shape.flops_per_row * profile.expert_compute.beta,
                                   seconds_per_token_sent=cfg.model.hidden_size * profile.p2p.beta,
                                   seconds_per_param_sent=profile.p2p.beta, params_per_expert=params,

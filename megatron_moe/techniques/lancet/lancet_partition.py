@@ -35,7 +35,7 @@ before the MoE layer (Lancet §5: the topology gate's budget ranks the whole bat
 `auto` measures every sublayer once, on the first forward, at 1..k parts (forward only, no
 dropout, nothing recorded), takes the maximum over the ranks of the pipeline stage, and runs §5.1's
 dynamic program over segments of at most `moe.lancet.max_range` sublayers (the paper's iota;
-default 2 x `moe.layer_freq`, one MoE FFN to the next). With pipeline stages each model chunk has
+default 2 x the layers from one MoE FFN to the next, `moe_layer_spacing`: 2 x `moe.layer_freq`). With pipeline stages each model chunk has
 its own partitioner over its layers.
 """
 from __future__ import annotations
@@ -55,6 +55,7 @@ from megatron_moe.techniques.lancet.lancet_partition_model import (Instruction, 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.validate import section_check
 from megatron_moe.model.pipeline_stages import STAGE_HOOKS
+from megatron_moe.model.transformer import moe_layer_spacing
 
 PLAN_KIND = "lancet_plan"  # byte-counter label of the all-reduce of measured op times (auto)
 
@@ -227,7 +228,7 @@ def from_config(cfg, state, rng, layers) -> Optional[ForwardPartitioner]:
     if lancet.partitions <= 1 or not any(layer.is_moe for layer in layers):
         return None
     return ForwardPartitioner(state, rng, layers, lancet.partitions, str(lancet.partition_range),
-                              partition_max_range(lancet.max_range, cfg.moe.layer_freq))
+                              partition_max_range(lancet.max_range, moe_layer_spacing(cfg)))
 
 
 @section_check("moe.lancet.partitions")

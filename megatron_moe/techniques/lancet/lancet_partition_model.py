@@ -127,11 +127,11 @@ def best_partitioning(instructions: Sequence[Instruction], max_parts: int,
     return best[n_ops], segments[::-1]
 
 
-def partition_max_range(max_range: Optional[int], layer_freq: int) -> int:
+def partition_max_range(max_range: Optional[int], spacing: int) -> int:
     """`moe.lancet.max_range` (Lancet's iota, §5.1 / §7: "the execution time between two MoE
-    layers, so one pipeline will be formed per MoE layer"); null = 2 x `moe.layer_freq`
-    instructions, from one MoE FFN to the next."""
-    return max_range if max_range is not None else 2 * layer_freq
+    layers, so one pipeline will be formed per MoE layer"); null = 2 x `spacing` instructions, from
+    one MoE FFN to the next (`spacing`: layers between them, model/transformer.py `moe_layer_spacing`)."""
+    return max_range if max_range is not None else 2 * spacing
 
 
 def fixed_partitioning(is_moe: Sequence[bool], parts: int, reach: int) -> List[Segment]:

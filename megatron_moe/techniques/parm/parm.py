@@ -128,7 +128,7 @@ def _route_tp_piece(router: Router, piece: torch.Tensor, num_tokens: int, tp) ->
     one Lancet part of it, `router.partition`) with the whole micro-batch's capacity positions and
     losses (router.py's math)."""
     num_experts = router.num_experts
-    logits = router.logits(piece, copy_to_tp_region(router.weight, tp))  # [n_t, E] fp32
+    logits = router.logits(piece, lambda p: copy_to_tp_region(p, tp))  # [n_t, E] fp32
     probs, expert_ids, weights = router.select(logits)
     counts = expert_counts(expert_ids, num_experts)
     counts = C.all_gather(counts, tp, kind=COUNTS_KIND).view(tp.size, num_experts)  # [tp, E]

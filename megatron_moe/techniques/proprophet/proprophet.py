@@ -54,9 +54,10 @@ from megatron_moe.perf.hardware import configured_profile, expert_shape
 from megatron_moe.techniques.proprophet import cross_layer
 from megatron_moe.techniques.proprophet.proprophet_model import PROPROPHET_OPS, ProphetCostModel
 from megatron_moe.config.errors import ConfigError
-from megatron_moe.config.validate import section_check
+from megatron_moe.config.validate import expert_proj_bias, section_check
 from megatron_moe.perf.hardware import PROFILE_NEEDS
 from megatron_moe.distributed.parallel_state import SIDE_CHANNELS
+from megatron_moe.model.transformer import moe_layer_spacing
 
 Selection = Tuple[int, Tuple[int, ...]]  # (expert, its devices: owner first, then ascending)
 
@@ -312,7 +313,7 @@ class ProProphet(Balancer):
         shape = expert_shape(cfg, state)
         fnec_flops = non_moe_flops_per_token(cfg, state) * cfg.training.micro_batch_size * m.seq_length
         profile = configured_profile(cfg, PROPROPHET_OPS, "moe.balancer=proprophet")
-        self.model = ProphetCostModel.from_profile(profile, m.hidden_size, shape.params(m.bias, state.esp_size),
+        self.model = ProphetCostModel.from_profile(profile, m.hidden_size, shape.params(expert_proj_bias(cfg), state.esp_size),
                                                    shape.flops_per_row, fnec_flops, pp.overlap)
         self.alpha, self.bottom_k, self.min_replicas, self.rows = pp.alpha, pp.bottom_k, pp.min_replicas, pp.rows
         micro_batches = max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * state.dp_size))
@@ -351,12 +352,13 @@ class ProProphet(Balancer):
 
 def non_moe_flops_per_token(cfg, state) -> float:
     """Forward FLOPs per token of one block's non-MoE part on one rank (attention projections and
-    scores, and the dense FFNs of `layer_freq - 1` layers), for T_FNEC (§V-C, Eq. 8; static, §V-B)."""
-    m = cfg.model
+    scores, and the dense FFNs of the layers between two MoE layers, `moe_layer_spacing` - 1: layer_freq - 1
+    or, with first_k_dense / layer_pattern, the fewest), for T_FNEC (§V-C, Eq. 8; static, §V-B)."""
+    m, spacing = cfg.model, moe_layer_spacing(cfg)
     h, s, tp = m.hidden_size, m.seq_length, state.tp_size
     attention = 2 * 4 * h * h / tp + 2 * 2 * s * h / tp
-    dense = 2 * 2 * h * m.ffn_hidden_size / tp * (cfg.moe.layer_freq - 1)
-    return attention * cfg.moe.layer_freq + dense
+    dense = 2 * 2 * h * m.ffn_hidden_size / tp * (spacing - 1)
+    return attention * spacing + dense
 
 
 @section_check("moe.proprophet")
