@@ -3,11 +3,12 @@
 
     reshard    --input CKPT --output OUT --tensor T --expert E --expert-shard S [--force]
     reshard    --input CKPT --output FILE.safetensors --consolidated
-    export-hf  --input CKPT --output HF_DIR [--family mixtral|qwen2_moe|qwen3_moe|olmoe|gpt_oss] [--max-shard-mb N]
-               [--precision fp32|bf16] [--force]   (default precision: the run's training.precision)
+    export-hf  --input CKPT --output HF_DIR [--family mixtral|qwen2_moe|qwen3_moe|olmoe|deepseek_v3|glm4_moe|gpt_oss]
+               [--max-shard-mb N] [--precision fp32|bf16] [--force]   (default precision: the run's training.precision)
     import-hf  --input HF_DIR --output CKPT [--config BASE.yaml] [--num-experts N [--top-k K]] [--allow-unused]
                [--force] [section.key=value ...]
-               (a dense Llama / Mistral / Qwen3 directory: our dense model, or upcycled with --num-experts)
+               (the family from config.json's model_type: any export-hf family or kimi_k2 (as deepseek_v3); a dense
+               Llama / Mistral / Qwen3 directory: our dense model, or upcycled with --num-experts)
     upcycle    --input DENSE_CKPT --num-experts N [--top-k K] --output CKPT [--force]
     upgrade-swiglu --input OLD_CKPT --output CKPT [--force]   (SwiGLU checkpoints from before the halves layout)
 
@@ -20,6 +21,7 @@ import sys
 
 from megatron_moe.config import ConfigError
 from megatron_moe.convert import offline
+from megatron_moe.convert.hf_families import FAMILIES
 from megatron_moe.training.failures import CheckpointError
 
 
@@ -39,9 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--expert", type=int, default=1)
     p.add_argument("--expert-shard", type=int, default=1)
     p.add_argument("--consolidated", action="store_true", help="write every global tensor into one safetensors file")
-    p = sub.add_parser("export-hf", help="checkpoint -> Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE directory")
+    p = sub.add_parser("export-hf", help="checkpoint -> Hugging Face MoE directory (--family)")
     _paths(p)
-    p.add_argument("--family", help="config.json model_type; default: from the model's shape (docs/checkpoints.md)")
+    p.add_argument("--family", help=f"config.json model_type: {' | '.join(FAMILIES)}; default: from the model's shape "
+                                    "(docs/checkpoints.md)")
     p.add_argument("--max-shard-mb", type=int, default=5 * 1024, help="safetensors shard size limit (default 5 GiB)")
     p.add_argument("--precision", choices=["fp32", "bf16"],
                    help="dtype of the exported weights (default: the checkpoint's training.precision)")

@@ -1,9 +1,10 @@
 """Our GPT-MoE <-> Hugging Face MoE checkpoints (`config.json` + safetensors shards with an index).
 
-One mapping for the four families (`hf_mixtral.py`: MixtralForCausalLM; `hf_qwen_moe.py`:
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; `hf_olmoe.py`: OlmoeForCausalLM; looked up by
+One mapping for the MoE families (`hf_mixtral.py`: MixtralForCausalLM; `hf_qwen_moe.py`:
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; `hf_olmoe.py`: OlmoeForCausalLM; `hf_deepseek.py`:
+DeepseekV3ForCausalLM, Glm4MoeForCausalLM; `hf_gpt_oss.py`: GptOssForCausalLM; looked up by
 `config.json`'s `model_type` in `hf_families.py`); a `Family` names its module prefixes, config
-keys and the options it has. Tensors are mapped on full (global) weights,
+keys, the options it has and its hooks for what the standard layer lacks. Tensors are mapped on full (global) weights,
 one layer at a time, in each family's original per-expert naming (the layout of the released
 checkpoints; transformers loads it directly):
 
@@ -26,8 +27,8 @@ checkpoints; transformers loads it directly):
 
 Both sides use the rotate-half RoPE convention over the same head dims (rotary.py, HF
 `rotate_half`), so q/k rows need no permutation. Export streams: it reads one layer's global
-tensors from the checkpoint (any layout: tensor, expert, expert shards, pipeline, vExpert slots,
-ZeRO-1 all store tensors by global identity) and appends them to safetensors shards of at most
+tensors (or one multi-token prediction module's) from the checkpoint (any layout: tensor, expert,
+expert shards, pipeline, vExpert slots, ZeRO-1 all store tensors by global identity) and appends them to safetensors shards of at most
 `max_shard_bytes`, with `model.safetensors.index.json` as HF's own large checkpoints have.
 """
 from __future__ import annotations
@@ -60,8 +61,9 @@ class Family:
     allows: Tuple[str, ...] = ()  # keys of check_shape's common rules this family has (its `check` rules them)
     shared_expert: str = "shared_expert"  # module of the shared expert under mlp. (DeepSeek, GLM: shared_experts)
     # hooks of families with more than the standard layer (hf_deepseek.py): attention (cfg, ours, src, dst) ->
-    # HF (name, tensor)s and (cfg, hf, src, dst) -> ours; `mtp_to_hf(cfg, outer)` / `mtp_from_hf(cfg, reader)`:
-    # the multi-token prediction modules; `tensor_overrides(reader)`: overrides that depend on the tensors held
+    # HF (name, tensor)s and (cfg, hf, src, dst) -> ours; `mtp_to_hf(family, cfg, outer, k, depth_k)` /
+    # `mtp_from_hf(family, cfg, reader)`: the multi-token prediction modules (export: one depth k at a time,
+    # `depth_k` holding its `mtp.k.*`); `tensor_overrides(reader)`: overrides that depend on the tensors held
     attention_to_hf: Optional[Callable] = None
     attention_from_hf: Optional[Callable] = None
     mtp_to_hf: Optional[Callable] = None
@@ -141,10 +143,10 @@ def base_overrides(hf: dict, **allow) -> List[str]:
                                   f"moe.aux_loss_coeff={float(hf.get('router_aux_loss_coef', 0.01))}"]
 
 
-def model_overrides(hf: dict, yarn: bool = False, mla: bool = False) -> List[str]:
+def model_overrides(hf: dict, yarn: bool = False, mla: bool = False, partial: bool = False) -> List[str]:
     """`model.*` overrides from the keys every family, MoE or dense (hf_dense.py), shares; refuses
     what we lack, naming the field (YaRN `rope_scaling` where `yarn`, multi-head latent attention's
-    ranks where `mla`: the family maps them)."""
+    ranks where `mla`, `partial_rotary_factor` where `partial`: the family maps them)."""
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     if hf.get("hidden_act", "silu") != "silu":
@@ -153,6 +155,8 @@ def model_overrides(hf: dict, yarn: bool = False, mla: bool = False) -> List[str
     scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
     if scaled and not yarn:
         raise ValueError(f"rope_scaling={hf.get('rope_scaling') or rope} is not supported (default rope only)")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0 and not partial:
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported (rotary on whole heads)")
     for key in ("q_lora_rank", "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3)
         if hf.get(key) and not mla:
             raise ValueError(f"{key}={hf[key]}: multi-head latent attention is not supported")
@@ -322,17 +326,18 @@ def mtp_from_hf(family, cfg: Config, reader: "HFReader") -> Tensors:
 
 # -- files ---------------------------------------------------------------------------------------
 def write_hf(path: str, family: Family, cfg: Config, outer: Tensors, layer: Callable[[int], Tensors],
-             max_shard_bytes: int = 5 << 30, dtype: torch.dtype = torch.float32) -> None:
-    """HF directory `path` from our full weights: `outer` (embedding, final norm, output layer) and
-    `layer(i)` (at least layer i's), fetched one layer at a time; tensors stored in `dtype`
-    (`config.json`'s `torch_dtype`)."""
+             max_shard_bytes: int = 5 << 30, dtype: torch.dtype = torch.float32,
+             mtp: Optional[Callable[[int], Tensors]] = None) -> None:
+    """HF directory `path` from our full weights: `outer` (embedding, final norm, output layer),
+    `layer(i)` (at least layer i's) and `mtp(k)` (at least MTP depth k's `mtp.k.*`; default: from
+    `outer`), fetched one layer at a time; tensors stored in `dtype` (`config.json`'s `torch_dtype`)."""
     check_shape(family, cfg)
     writer = ShardWriter(path, max_shard_bytes, dtype)
     for i in range(cfg.model.num_layers):
         for name, tensor in layer_to_hf(family, cfg, layer(i), i):
             writer.add(name, tensor)
-    if family.mtp_to_hf is not None:
-        for name, tensor in family.mtp_to_hf(family, cfg, outer):
+    for k in range(cfg.model.mtp_depth if family.mtp_to_hf is not None else 0):
+        for name, tensor in family.mtp_to_hf(family, cfg, outer, k, (mtp or (lambda _: outer))(k)):
             writer.add(name, tensor)
     for name, tensor in outer_to_hf(cfg, outer):
         writer.add(name, tensor)

@@ -1,4 +1,5 @@
-"""Hugging Face `DeepseekV3ForCausalLM` (`deepseek_v3`: DeepSeek-V3 / R1, Kimi K2, Moonlight) and
+"""Hugging Face `DeepseekV3ForCausalLM` (`deepseek_v3`: DeepSeek-V3 / R1, Moonlight; Kimi K2, whose
+config.json says `kimi_k2`: hf_families.IMPORT_ALIASES) and
 `Glm4MoeForCausalLM` (`glm4_moe`: GLM-4.5, GLM-4.5-Air), checked against transformers' modeling
 code. Both: RMSNorm, rotary positions, the first `first_k_dense_replace` layers dense (a SwiGLU MLP
 of `intermediate_size`, `moe.first_k_dense`), the others MoE: `n_routed_experts` SwiGLU experts of
@@ -105,7 +106,7 @@ def _deepseek_overrides(hf: dict) -> List[str]:
 def _glm_overrides(hf: dict) -> List[str]:
     rope = rope_parameters(hf)
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))  # transformers' default
-    return base_overrides(hf) + _moe_overrides(hf) + [
+    return base_overrides(hf, partial=True) + _moe_overrides(hf) + [
         f"model.rotary_percent={float(partial)}", f"model.qkv_bias={_bool(hf.get('attention_bias'))}",
         "model.attention_output_bias=false", f"model.qk_norm={'head' if hf.get('use_qk_norm') else 'none'}"]
 
@@ -233,17 +234,17 @@ def _head(cfg: Config, ours: Tensors) -> torch.Tensor:
     return ours["embedding.word.weight"] if cfg.model.tie_embeddings else ours["output.weight"]
 
 
-def _mtp_to_hf(family: Family, cfg: Config, outer: Tensors) -> Iterator[Tuple[str, torch.Tensor]]:
-    """HF layers num_layers + k of our MTP depths k (`outer`: the weights outside `layers.*`)."""
-    for k in range(cfg.model.mtp_depth):
-        i, src = cfg.model.num_layers + k, f"mtp.{k}."
-        layer = {f"layers.{i}." + n[len(src + "layer."):]: t for n, t in outer.items() if n.startswith(src + "layer.")}
-        yield from layer_to_hf(family, cfg, layer, i)
-        dst = f"model.layers.{i}."
-        for ours, theirs in _MTP:
-            yield dst + theirs, outer[src + ours]
-        yield dst + "embed_tokens.weight", outer["embedding.word.weight"]
-        yield dst + "shared_head.head.weight", _head(cfg, outer)
+def _mtp_to_hf(family: Family, cfg: Config, outer: Tensors, k: int, depth: Tensors) -> Iterator[Tuple[str, torch.Tensor]]:
+    """HF layer num_layers + k of our MTP depth k (`depth`: at least its `mtp.k.*` weights; `outer`: the
+    embedding and output layer)."""
+    i, src = cfg.model.num_layers + k, f"mtp.{k}."
+    layer = {f"layers.{i}." + n[len(src + "layer."):]: t for n, t in depth.items() if n.startswith(src + "layer.")}
+    yield from layer_to_hf(family, cfg, layer, i)
+    dst = f"model.layers.{i}."
+    for ours, theirs in _MTP:
+        yield dst + theirs, depth[src + ours]
+    yield dst + "embed_tokens.weight", outer["embedding.word.weight"]
+    yield dst + "shared_head.head.weight", _head(cfg, outer)
 
 
 def _mtp_from_hf(family: Family, cfg: Config, reader: HFReader) -> Tensors:

@@ -76,9 +76,8 @@ def _check(cfg: Config):
         (m.attention_sinks, "model.attention_sinks=false (every gpt-oss attention layer has sinks)"),
         (bool(m.qkv_bias) == bool(m.attention_output_bias),
          "model.qkv_bias != model.attention_output_bias (gpt-oss's attention_bias covers q/k/v and o together)"),
-        (rope.type in ("none", "yarn") and rope.mscale == 1.0 and rope.mscale_all_dim == 0.0,
-         f"model.rope_scaling.type={rope.type}, mscale={rope.mscale}, mscale_all_dim={rope.mscale_all_dim} "
-         "(gpt-oss: YaRN with its own attention factor, or none)"),
+        # any mscale / mscale_all_dim: transformers' gpt-oss reads them as ours does (cos / sin only, model/rotary.py)
+        (rope.type in ("none", "yarn"), f"model.rope_scaling.type={rope.type} (gpt-oss: yarn or none)"),
         (moe.router_bias, "moe.router_bias=false (the gpt-oss router has a bias)"),
         (bool(moe.expert_proj_bias), "moe.expert_proj_bias=false (gpt-oss experts have biases)"),
         (moe.activation == "swiglu_oss", f"moe.activation={moe.activation} (gpt-oss experts use swiglu_oss)"),
@@ -111,8 +110,7 @@ def _overrides(hf: dict) -> List[str]:
         raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported (gpt-oss: 1)")
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 150000.0)))  # GptOssConfig.default_theta
     yarn = rope.get("rope_type", rope.get("type", "default")) != "default"
-    out = rope_scaling_overrides(dict(rope, original_max_position_embeddings=rope.get(
-        "original_max_position_embeddings", hf["max_position_embeddings"]))) if yarn else []
+    out = rope_scaling_overrides(rope) if yarn else []
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]  # GptOssConfig's default
     if len(types) != n or set(types) - {SLIDING, FULL}:

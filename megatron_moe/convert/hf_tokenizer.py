@@ -129,8 +129,10 @@ def splits_specials(tok: Tokenizer) -> bool:
     return not (isinstance(tok, _HFBackend) and tok._tok.get_added_tokens_decoder())
 
 
-def _extra_specials(spec: TokenizerSpec, tok: Tokenizer) -> dict:
-    """bos / unk tokens of the tokenizer itself (the pipeline has no such role)."""
+def extra_specials(spec: TokenizerSpec, tok: Tokenizer) -> dict:
+    """bos / unk tokens of the tokenizer itself (the pipeline has no such role): `{"bos_token": text,
+    "unk_token": text}` where it has them, as the export declares them (and the lm-eval backend's
+    prefix token reads them)."""
     out = {}
     if isinstance(tok, SentencePieceTokenizer):
         for key, i in (("bos_token", tok._sp.bos_id()), ("unk_token", tok._sp.unk_id())):
@@ -156,7 +158,7 @@ def write_hf_tokenizer(spec: TokenizerSpec, out_dir: str, model_max_length: int)
     tok = spec.build()
     backend = hf_backend(tok)
     specials = {_ROLES[role]: tok.special_texts[role] for role in _ROLES}
-    specials.update(_extra_specials(spec, tok))
+    specials.update(extra_specials(spec, tok))
     backend.save(os.path.join(out_dir, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, "split_special_tokens": splits_specials(tok),

@@ -9,7 +9,8 @@
   to one (`moe.norm_topk_prob`, or top_k >= 2 by default) the MoE model computes exactly the
   dense model's function;
 * `export_hf` / `import_hf`: Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (`convert/hf_common.py`), gpt-oss
-  (`convert/hf_gpt_oss.py`, MXFP4 experts dequantized on import);
+  (`convert/hf_gpt_oss.py`, MXFP4 experts dequantized on import), DeepSeek-V3 (+ Kimi K2 on import) and
+  GLM-4.5 (`convert/hf_deepseek.py`, FP8 weights dequantized on import);
   export streams layer by layer into safetensors shards, import reads tensors lazily; import also
   takes dense Llama, Mistral and Qwen3 (`convert/hf_dense.py`), as they are or upcycled;
 * `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
@@ -336,9 +337,9 @@ def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_b
         return {k[len("model/"):]: v for k, v in load_full(path, [k for k in keys if keep(k)]).items()}
 
     with _replace_output(out_dir) as tmp:
-        H.write_hf(tmp, fam, cfg, load(lambda k: not k.startswith("model/layers.")),
+        H.write_hf(tmp, fam, cfg, load(lambda k: not k.startswith(("model/layers.", "model/mtp."))),
                    lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes,
-                   PARAM_DTYPES[precision])
+                   PARAM_DTYPES[precision], lambda d: load(lambda k: k.startswith(f"model/mtp.{d}.")))
         missing = export_tokenizer(path, tmp, cfg.model.seq_length)
     if missing:
         print(f"export-hf: no tokenizer written: {missing}", file=sys.stderr)

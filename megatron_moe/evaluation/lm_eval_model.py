@@ -45,9 +45,9 @@ LOADED: List["MegatronMoELM"] = []  # backends that loaded a checkpoint (tools/e
 def prefix_token(spec, tok) -> int:
     """The token an empty context stands for: the export's bos where the tokenizer has one (as the hf
     backend reads it from the export, convert/hf_tokenizer.py), else the end-of-document token."""
-    from megatron_moe.convert.hf_tokenizer import _extra_specials, hf_backend
+    from megatron_moe.convert.hf_tokenizer import extra_specials, hf_backend
 
-    bos = _extra_specials(spec, tok).get("bos_token") if spec is not None else None
+    bos = extra_specials(spec, tok).get("bos_token") if spec is not None else None
     return tok.eod if bos is None else hf_backend(tok).token_to_id(bos)
 
 

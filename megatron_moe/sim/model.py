@@ -6,14 +6,20 @@ Per token and rank (n tokens, h hidden, s sequence, f dense FFN width, V vocabul
 forward FLOPs (backward: twice; its weight-gradient half is what Lancet may defer):
 
     attention  2 (h (a + 2 G) d + a d h) / tp + 2 (2 s a d) / tp   (QKV and output projections; scores
-               and mix; a heads of width d, G query groups: 2 (4 h^2) / tp + 2 (2 s h) / tp for MHA)
+               and mix; a heads of width d, G query groups: 2 (4 h^2) / tp + 2 (2 s h) / tp for MHA);
+               MLA (`attention_shape`): q_up (or q), kv_up, the output projection and the cores / tp,
+               q_down and kv_down whole on every rank. Every score counts: causal masks and sliding
+               windows (`model.sliding_window`) mask scores the cores still compute (SDPA with a dense mask)
+    MTP depth  2 (2 h h) / tp (eh_proj) + a block + the head again        (`model.mtp_depth`, last stage)
     dense FFN  2 (2 h f) / tp, SwiGLU 2 (3 h f) / tp
     gate       2 h E
     head       2 h V / tp                           (the output layer)
 
 Tensor-parallel collectives (kind "all_reduce/tp"; [n, h] in the activations' width, bf16 or fp32):
-every attention / dense FFN sublayer one all-reduce of [n, h] forward and one backward; the
-vocab-parallel embedding one of [n, h] forward; the vocab-parallel cross-entropy three of [n] (max,
+every attention / dense FFN sublayer one all-reduce of [n, h] forward and one backward (MLA
+backward: of [n, q_lora_rank or h], [n, kv_lora_rank] and [n, qk_rope_head_dim] instead); the
+vocab-parallel embedding one of [n, h] forward (and each MTP depth's lookup; its eh_proj an all-gather
+of [n, h] forward, an all-reduce of [n, 2 h] backward); the vocab-parallel cross-entropy three of [n] (max,
 sum of exponentials, target logit; fp32) forward and the output layer's input one of [n, h] backward. The embedding lookup's time and the gradient
 sync after the micro-batches (`sim/params.py`) are not here.
 
@@ -40,29 +46,40 @@ class DenseModel:
         self.cfg, self.b, self.tokens = cfg, b, tokens
         m, lay = cfg.model, b.world.layout
         h, s, tp = m.hidden_size, m.seq_length, lay.tensor
-        heads, d, groups = m.num_attention_heads, head_dim(m), query_groups(m)
-        projections = h * (heads + 2 * groups) * d + heads * d * h  # QKV + output weights
-        self.attention_flops = (2 * projections + 2 * 2 * s * heads * d) / tp
-        self.attention_weight_share = projections / (projections + 2 * s * heads * d)
+        sharded, replicated, core, self.attention_grads = attention_shape(m, tp)
+        self.attention_flops = 2 * (sharded + core) / tp + 2 * replicated
+        self.attention_weight_share = (sharded / tp + replicated) / ((sharded + core) / tp + replicated)
         self.ffn_flops = 2 * (3 if m.activation == "swiglu" else 2) * h * m.ffn_hidden_size / tp
         self.head_flops = 2 * h * m.vocab_size / tp
         self.gate_flops = 2 * h * cfg.moe.num_experts
 
-    def _sublayer(self, name: str, flops_per_token: float, weight_share: float) -> Tuple[List[Op], List[Op]]:
+    def _sublayer(self, name: str, flops_per_token: float, weight_share: float,
+                  grads: Tuple[int, ...] = ()) -> Tuple[List[Op], List[Op]]:
+        """`grads`: the widths of the input gradients all-reduced over tp backward ([n, h] when none given)."""
         b, n, h = self.b, self.tokens, self.cfg.model.hidden_size
         fwd = [b.compute(name, flops_per_token * n, dense=True)]
         bwd = [b.compute(name, 2 * flops_per_token * n, dense=True, deferrable=0.5 * weight_share)]
-        if b.world.layout.tensor > 1:
-            act = b.widths.activation
-            fwd.append(b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, act, "all_reduce"))
-            bwd.insert(0, b.collective(f"{name}_tp_allreduce", "all_reduce", "tp", n * h, act, "all_reduce"))
+        act = b.widths.activation
+        fwd += self._tp_allreduce(f"{name}_tp_allreduce", n * h, act)
+        bwd[:0] = [op for width in grads or (h,) for op in self._tp_allreduce(f"{name}_tp_allreduce", n * width, act)]
         return fwd, bwd
 
     def attention(self) -> Tuple[List[Op], List[Op]]:
-        return self._sublayer("attention", self.attention_flops, self.attention_weight_share)
+        return self._sublayer("attention", self.attention_flops, self.attention_weight_share, self.attention_grads)
 
     def dense_ffn(self) -> Tuple[List[Op], List[Op]]:
         return self._sublayer("dense_ffn", self.ffn_flops, 1.0)
+
+    def mtp_input(self) -> Tuple[List[Op], List[Op]]:
+        """One MTP depth's input (model/mtp.py): the word lookup's all-reduce of [n, h] and eh_proj [h, 2h]
+        (column-parallel, its output all-gathered: [n, h]) forward; eh_proj's input gradient [n, 2h] backward."""
+        b, n, h = self.b, self.tokens, self.cfg.model.hidden_size
+        flops, act = 2 * 2 * h * h / b.world.layout.tensor, b.widths.activation
+        gather = [b.collective("eh_proj_tp_allgather", "all_gather", "tp", n * h, act, "all_gather")] \
+            if b.world.layout.tensor > 1 else []
+        return self.embedding()[0] + [b.compute("eh_proj", flops * n, dense=True)] + gather, \
+            [b.compute("eh_proj", 2 * flops * n, dense=True, deferrable=0.5)] + \
+            self._tp_allreduce("eh_proj_tp_allreduce", n * 2 * h, act)
 
     def gate(self) -> Tuple[List[Op], List[Op]]:
         b, n = self.b, self.tokens
@@ -84,6 +101,23 @@ class DenseModel:
         return [b.compute("head", self.head_flops * n, dense=True)] + loss, \
             [b.compute("head", 2 * self.head_flops * n, dense=True, deferrable=0.5)] + \
             self._tp_allreduce("head_tp_allreduce", n * self.cfg.model.hidden_size, self.b.widths.activation)
+
+
+def attention_shape(m, tp: int) -> Tuple[float, float, float, Tuple[int, ...]]:
+    """Per token of one attention sublayer: (multiply-adds of the weights split over tp, of the
+    weights replicated on every tp rank, of the scores and mix over all heads; the widths of the
+    input gradients all-reduced over tp backward). Standard (MHA / GQA): QKV and output projections,
+    one [n, h] gradient. MLA (model/mla.py): q_down, kv_down replicated; q_up (or q), kv_up, proj split
+    by heads; the gradients of q_up's (q's) and kv_up's inputs and of the shared rotary key k^R.
+    Sliding windows and causal masks do not shrink the scores: the cores compute all s x s, masked."""
+    h, s, heads = m.hidden_size, m.seq_length, m.num_attention_heads
+    if m.attention != "mla":
+        d, groups = head_dim(m), query_groups(m)
+        return h * (heads + 2 * groups) * d + heads * d * h, 0.0, 2 * s * heads * d, (h,)
+    qr, kr, qk, v = m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    sharded = (qr or h) * heads * qk + kr * heads * (m.qk_nope_head_dim + v) + heads * v * h
+    replicated = (h * qr if qr else 0) + h * (kr + m.qk_rope_head_dim)
+    return sharded, replicated, s * heads * (qk + v), (qr or h, kr, m.qk_rope_head_dim)
 
 
 # -- Lancet's partitioned forward ----------------------------------------------------------------------

@@ -23,9 +23,51 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 import numpy as np
+
+
+@dataclass
+class LayerResult:
+    seconds: float  # exposed time of the layer's ops on the critical rank, summed over micro-batches
+    breakdown: Dict[str, List[float]]  # op -> [exposed, duration] seconds, communication (1) or not (0)
+    rows_per_group: np.ndarray  # [ep_esp groups, ep] rows computed per EP rank, summed over micro-batches
+    replicas: float  # mean replicas per forward and group
+    schedules: Dict[str, int] = field(default_factory=dict)  # executed schedule -> (group, micro-batch) count
+    plan_seconds: float = 0.0  # wall time the real planners took here (measured, not modelled)
+
+    @property
+    def rows_per_ep_rank(self) -> np.ndarray:
+        """[ep] rows computed per EP rank, summed over the ep_esp groups (benchmarks/moe_layer.py's)."""
+        return self.rows_per_group.sum(0)
+
+    @property
+    def balance_ratio(self) -> float:
+        load = self.rows_per_ep_rank
+        return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
+
+    @property
+    def balance_degree(self) -> float:
+        """Pro-Prophet's balance degree: the standard deviation of the rows per device."""
+        return float(np.std(self.rows_per_ep_rank))
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    seconds: float
+    # "<label>/<op>" -> [exposed, duration, kind: communication 1, computation 0, overlap 2, idle 3] on
+    # the critical rank (with pipeline stages: of the stage that finishes last; "pipeline/idle" its bubble)
+    breakdown: Dict[str, List[float]]
+    layers: List[LayerResult]
+    bytes_by_kind: Dict[str, float]  # summed over ranks
+    vexpert_moves: int = 0  # primitives decided after the step (Expand / Shrink / Migrate; EPLB: changed slots)
+    vexpert_transfers: int = 0  # rank-to-rank expert transfers they take (`vexpert_moves.plan_transfers`), per ep group
+    pipeline_bubble: float = 0.0  # the trainer's metric: per stage 1 - compute / the slowest stage's program
+    pipeline_bubble_ideal: float = 0.0  # (p - 1) / (v m + p - 1)
+
 
 SCHEDULES = [["moe.schedule=baseline"], ["moe.schedule=s1"], ["moe.schedule=s2"], ["moe.schedule=s2", "moe.saa=true"],
              ["moe.schedule=auto"], ["moe.schedule=auto", "moe.saa=true"]]

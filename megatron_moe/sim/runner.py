@@ -11,7 +11,8 @@ sources and counts; the balancers' placements from their own `plan` (one balance
 ep_esp group, as every rank of a group holds the same one; vExpert balancers share one slot table
 per layer, as the all-reduced window makes every group decide alike); `observe` with the executed
 placement's counts, as a training forward does; then the ops (`sim/moe_layer.py`,
-`sim/replica_traffic.py`, `sim/model.py`) of each model chunk (`model/pipeline_stages.py`'s split) run
+`sim/replica_traffic.py`, `sim/model.py`) of each model chunk (`model/pipeline_stages.py`'s split; the
+multi-token prediction depths after the last chunk's output layer, model/mtp.py) run
 through timelines (`sim/timeline.py`) on their pipeline stage's ranks (`sim/layout.py`): with one
 stage, each micro-batch's forward and backward on one timeline; with several, each chunk's
 forward and backward of each micro-batch on its own, ordered by the training code's pipeline
@@ -58,6 +59,7 @@ from megatron_moe.sim.ops import Op, OpBuilder, Traffic, Widths
 from megatron_moe.sim.params import StageParams, end_ops
 from megatron_moe.sim.stages import Pipeline
 from megatron_moe.sim.replica_traffic import replica_ops, vexpert_grad_op, vexpert_move_op
+from megatron_moe.sim.results import IterationResult, LayerResult
 from megatron_moe.sim.timeline import Timeline
 from megatron_moe.sim.traces import RecordedTrace, SyntheticTrace, split_even
 from megatron_moe.training.pipeline_schedules import expected_bubble
@@ -77,46 +79,6 @@ def keep_pieces(pieces: np.ndarray, capacity: Optional[int]) -> np.ndarray:
         return pieces
     before = np.cumsum(pieces, axis=1) - pieces
     return np.clip(capacity - before, 0, pieces)
-
-
-@dataclass
-class LayerResult:
-    seconds: float  # exposed time of the layer's ops on the critical rank, summed over micro-batches
-    breakdown: Dict[str, List[float]]  # op -> [exposed, duration] seconds, communication (1) or not (0)
-    rows_per_group: np.ndarray  # [ep_esp groups, ep] rows computed per EP rank, summed over micro-batches
-    replicas: float  # mean replicas per forward and group
-    schedules: Dict[str, int] = field(default_factory=dict)  # executed schedule -> (group, micro-batch) count
-    plan_seconds: float = 0.0  # wall time the real planners took here (measured, not modelled)
-
-    @property
-    def rows_per_ep_rank(self) -> np.ndarray:
-        """[ep] rows computed per EP rank, summed over the ep_esp groups (benchmarks/moe_layer.py's)."""
-        return self.rows_per_group.sum(0)
-
-    @property
-    def balance_ratio(self) -> float:
-        load = self.rows_per_ep_rank
-        return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
-
-    @property
-    def balance_degree(self) -> float:
-        """Pro-Prophet's balance degree: the standard deviation of the rows per device."""
-        return float(np.std(self.rows_per_ep_rank))
-
-
-@dataclass
-class IterationResult:
-    iteration: int
-    seconds: float
-    # "<label>/<op>" -> [exposed, duration, kind: communication 1, computation 0, overlap 2, idle 3] on
-    # the critical rank (with pipeline stages: of the stage that finishes last; "pipeline/idle" its bubble)
-    breakdown: Dict[str, List[float]]
-    layers: List[LayerResult]
-    bytes_by_kind: Dict[str, float]  # summed over ranks
-    vexpert_moves: int = 0  # primitives decided after the step (Expand / Shrink / Migrate; EPLB: changed slots)
-    vexpert_transfers: int = 0  # rank-to-rank expert transfers they take (`vexpert_moves.plan_transfers`), per ep group
-    pipeline_bubble: float = 0.0  # the trainer's metric: per stage 1 - compute / the slowest stage's program
-    pipeline_bubble_ideal: float = 0.0  # (p - 1) / (v m + p - 1)
 
 
 @dataclass
@@ -143,12 +105,21 @@ class ChunkOps:
     head: Tuple[List[Op], List[Op]] = ([], [])
     registered: List[Tuple[str, str, List[Op]]] = field(default_factory=list)
     moves: List[Tuple[str, List[Op]]] = field(default_factory=list)  # best-effort rounds landing here (label, ops)
+    mtp: List[Tuple[str, List[Op], bool]] = field(default_factory=list)  # the MTP depths' forward, after the head
+    mtp_backward: List[Tuple[str, List[Op]]] = field(default_factory=list)
 
     def ops(self) -> List[Op]:
         """Every op once (Lancet's partitioned forward only retimes the sublayers)."""
         out = self.embedding[0] + self.embedding[1] + self.head[0] + self.head[1]
-        out += [op for _, ops, _ in self.sublayers for op in ops] + [op for _, ops in self.backward for op in ops]
+        out += [op for _, ops, _ in self.sublayers + self.mtp for op in ops]
+        out += [op for _, ops in self.backward + self.mtp_backward for op in ops]
         return out + [op for _, _, ops in self.registered for op in ops]
+
+
+def _add(sublayers: list, backward: list, label: str, ops: Tuple[List[Op], List[Op]]) -> None:
+    """A non-MoE sublayer's (forward, backward) ops under `label`."""
+    sublayers.append((label, ops[0], False))
+    backward.append((label, ops[1]))
 
 
 # `moe.token_dispatch` values the schedule models send: node_dedup's rows depend on which of a
@@ -161,8 +132,6 @@ class Simulation:
         if cfg.moe.token_dispatch not in SIMULATED_TOKEN_DISPATCH:
             raise ConfigError(f"moe.token_dispatch={cfg.moe.token_dispatch}: the simulator models per_copy only (a "
                               "routing trace counts assignments per source and expert, not which share a node)")
-        if cfg.model.mtp_depth:  # its layers, projections and heads on the last stage are not modelled
-            raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth}: the simulator does not model multi-token prediction")
         node_size = profile.cluster.node_size if profile.cluster else None
         cfg = replace(cfg, parallel=replace(cfg.parallel, ranks_per_node=node_size or cfg.parallel.ranks_per_node))
         validate_config(replace(cfg, perf=replace(cfg.perf, hardware_profile=None)), world_size)  # the layout first
@@ -195,11 +164,14 @@ class Simulation:
         self.pipeline = Pipeline(cfg, layout, clusters[0], self.micro_batches, Widths.of(tr.precision))
         self.moe_layers = [i for i, flag in enumerate(moe_layer_flags(cfg)) if flag]  # first_k_dense, layer_pattern
         self.moe_at = moe_at = {layer: i for i, layer in enumerate(self.moe_layers)}  # global layer -> MoE index
-        self.stage_of = {moe_at[layer]: s for s, stage in enumerate(self.stages) for chunk in stage.chunks
-                         for layer in chunk if layer in moe_at}  # MoE layer index -> stage
-        # MoE layers that start their chunk: no block before them prefetches their Trans (techniques/proprophet/cross_layer.py)
-        self.first_in_chunk = {min(moe_at[layer] for layer in chunk if layer in moe_at) for stage in self.stages
-                               for chunk in stage.chunks if any(layer in moe_at for layer in chunk)}
+        self.mtp = [m.num_layers + k for k in range(m.mtp_depth)]  # model/mtp.py: on the last stage, after the head
+        chunks = [(s, chunk) for s, stage in enumerate(self.stages) for chunk in stage.chunks]
+        chunks += [(p.pipeline - 1, [layer]) for layer in self.mtp]  # each MTP layer runs alone
+        self.stage_of = {moe_at[x]: s for s, chunk in chunks for x in chunk if x in moe_at}  # MoE layer index -> stage
+        # MoE layers that start their chunk (and the MTP layers, each run alone): no block before them
+        # prefetches their Trans (techniques/proprophet/cross_layer.py)
+        self.first_in_chunk = {min(moe_at[x] for x in chunk if x in moe_at) for _, chunk in chunks
+                               if any(x in moe_at for x in chunk)}
         groups = layout.expert_data_parallel
         state = ParallelState.build(layout, 0)
         self.planners = [[BALANCERS.get(moe.balancer)(cfg, state) for _ in range(groups)] for _ in self.moe_layers]
@@ -272,18 +244,28 @@ class Simulation:
     def chunk_ops(self, s: int, chunk: int, counts: np.ndarray, acc: dict) -> ChunkOps:
         """counts [L, dp, E] of one micro-batch through virtual chunk `chunk` of stage `s`: plans its
         MoE layers (in order) and builds every op; its bytes go to `acc`."""
-        stage, moe_at, out = self.stages[s], self.moe_at, ChunkOps()
+        stage, out = self.stages[s], ChunkOps()
         dense = stage.dense
         if s == 0 and chunk == 0:
             out.embedding = dense.embedding()
-        for layer in stage.chunks[chunk]:
-            attention = dense.attention()
-            out.sublayers.append((f"dense{layer}", attention[0], False))
-            out.backward.append((f"dense{layer}", attention[1]))
+        self._blocks(stage, stage.chunks[chunk], counts, acc, out, out.sublayers, out.backward)
+        if s == self.layout.pipeline - 1 and chunk == len(stage.chunks) - 1:
+            out.head = dense.head()
+            for layer in self.mtp:  # model/mtp.py: per depth the lookup and eh_proj, one block, the head and loss
+                _add(out.mtp, out.mtp_backward, f"mtp{layer}", dense.mtp_input())
+                self._blocks(stage, [layer], counts, acc, out, out.mtp, out.mtp_backward)
+                _add(out.mtp, out.mtp_backward, f"mtp{layer}", dense.head())
+        self._count(acc, s, out.ops())
+        return out
+
+    def _blocks(self, stage: Stage, layers, counts: np.ndarray, acc: dict, out: ChunkOps, sublayers, backward) -> None:
+        """Blocks `layers` (global indices) of one micro-batch: forward into `sublayers`, backward into
+        `backward`; their balancers' transfers into `out`."""
+        moe_at, dense = self.moe_at, stage.dense
+        for layer in layers:
+            _add(sublayers, backward, f"dense{layer}", dense.attention())
             if layer not in moe_at:
-                ffn = dense.dense_ffn()
-                out.sublayers.append((f"dense{layer}", ffn[0], False))
-                out.backward.append((f"dense{layer}", ffn[1]))
+                _add(sublayers, backward, f"dense{layer}", dense.dense_ffn())
                 continue
             i = moe_at[layer]
             planned, ops, trans, agg, prefetched, plan_s = self.plan_layer(i, counts[i])
@@ -293,15 +275,11 @@ class Simulation:
             if i in self.landing:
                 out.moves.append((label, self.landing.pop(i)))
                 landing = [stage.b.wait("vexpert_move", f"vexpert_move{i}")]
-            out.sublayers.append((label, landing + gate[0] + ops.forward, True))
-            out.backward.append((label, ops.backward + gate[1]))
+            sublayers.append((label, landing + gate[0] + ops.forward, True))
+            backward.append((label, ops.backward + gate[1]))
             out.registered += [(f"before_experts{i - 1}" if prefetched else f"trans_issue{i}", label, trans),
                                (f"agg{i}", label, agg)]
             self._account(acc, i, planned, plan_s)
-        if s == self.layout.pipeline - 1 and chunk == len(stage.chunks) - 1:
-            out.head = dense.head()
-        self._count(acc, s, out.ops())
-        return out
 
     def forward(self, timeline: Timeline, s: int, ops: ChunkOps) -> None:
         for handle, label, issued in ops.registered:
@@ -320,8 +298,12 @@ class Simulation:
         for label, sub in forward:
             timeline.run(sub, label)
         timeline.run(ops.head[0], "head")
+        for label, sub, _ in ops.mtp:
+            timeline.run(sub, label)
 
     def backward(self, timeline: Timeline, ops: ChunkOps) -> None:
+        for label, sub in reversed(ops.mtp_backward):
+            timeline.run(sub, label, backward=True)
         timeline.run(ops.head[1], "head", backward=True)
         for label, sub in reversed(ops.backward):
             timeline.run(sub, label, backward=True)

@@ -272,14 +272,23 @@ def checkpoint_dirs(root: str) -> List[str]:
     return [os.path.join(root, name) for _, name in sorted(found)]
 
 
-def newest_complete(root: str) -> Optional[str]:
-    """The newest checkpoint under `root` that passes `verify_manifest` (skipping broken ones)."""
+def _verify(path: str, verify: bool) -> None:
+    """`verify_manifest`, or with `verify=False` (names only) that the save finished: its manifest exists."""
+    if verify:
+        verify_manifest(path)
+    elif not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save did not finish)")
+
+
+def newest_complete(root: str, verify: bool = True) -> Optional[str]:
+    """The newest checkpoint under `root` that passes `_verify` (skipping broken ones; said when verifying)."""
     for path in reversed(checkpoint_dirs(root)):
         try:
-            verify_manifest(path)
+            _verify(path, verify)
             return path
         except CheckpointError as exc:
-            print(f"checkpoint: skipping {path}: {exc}", flush=True)
+            if verify:
+                print(f"checkpoint: skipping {path}: {exc}", flush=True)
     return None
 
 
@@ -298,26 +307,27 @@ def is_checkpoint_root(path: str) -> bool:
     raise CheckpointError(f"{path} is not a checkpoint (no {META} or {MANIFEST}) and holds no iter_<k> checkpoints")
 
 
-def resolve_checkpoint(path: str) -> str:
+def resolve_checkpoint(path: str, verify: bool = True) -> str:
     """A checkpoint directory, or a checkpoint root (-> its newest complete checkpoint), verified."""
     if not is_checkpoint_root(path):
-        verify_manifest(path)
+        _verify(path, verify)
         return path
-    found = newest_complete(path)
+    found = newest_complete(path, verify)
     if found is None:
         raise CheckpointError(f"{path} holds no complete checkpoint")
     return found
 
 
-def load_path(cfg: Config) -> Optional[str]:
+def load_path(cfg: Config, verify: bool = True) -> Optional[str]:
     """The verified checkpoint `checkpoint.load` asks for, or None (start from scratch).
-    `auto`: the newest complete one under `checkpoint_dir(cfg)`, None if there is none."""
+    `auto`: the newest complete one under `checkpoint_dir(cfg)`, None if there is none. `verify=False`:
+    by names only (`--check-config`, training/resume.py; the ranks verify the files when they load)."""
     ck = cfg.checkpoint
     if ck.load is None:
         return None
     if ck.load == "auto":
-        return newest_complete(checkpoint_dir(cfg))
-    return resolve_checkpoint(ck.load)
+        return newest_complete(checkpoint_dir(cfg), verify)
+    return resolve_checkpoint(ck.load, verify)
 
 
 # -- load ---------------------------------------------------------------------------------------

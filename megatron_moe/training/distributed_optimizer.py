@@ -189,6 +189,13 @@ def flat_groups(named: Sequence[Tuple[str, torch.nn.Parameter]], state: Parallel
     return out
 
 
+def hooked_flats(flats: Sequence[_FlatGroup], overlap: bool, overlap_experts: bool) -> List[_FlatGroup]:
+    """The buffers whose reduce-scatters the hooks start (step 3, overlapped), in start order."""
+    hooked = {"dense": overlap, "expert": overlap and overlap_experts}
+    return sorted([f for f in flats if hooked[f.params[0].meta.kind] and not f.synced and f.group.size > 1],
+                  key=lambda f: -f.first)
+
+
 class DistributedOptimizer:
     """AdamW over this rank's shards (module docstring). The trainer calls `sync()`, `clip()`,
     `step()` where it calls GradSync's and the optimizer's; `param_groups` carry the lr."""
@@ -204,9 +211,7 @@ class DistributedOptimizer:
         self.flats = flat_groups(named, state, bucket_bytes)
         for flat in self.flats:
             flat.build()
-        hooked = {"dense": cfg.overlap_grad_reduce, "expert": cfg.overlap_grad_reduce and overlap_experts}
-        self.launch_order = sorted([f for f in self.flats if hooked[f.params[0].meta.kind] and not f.synced
-                                    and f.group.size > 1], key=lambda f: -f.first)
+        self.launch_order = hooked_flats(self.flats, cfg.overlap_grad_reduce, overlap_experts)
         self.launch = HookedLaunch([(f.params, lambda f=f: self._reduce_scatter(f)) for f in self.launch_order])
         self._pending: Dict[int, collectives.Pending] = {}  # id(flat) -> its reduce-scatter started by a hook
         self.sink = collectives.TimeSink()  # {GRAD_KIND: [exposed, total]} of the overlapped reduce-scatters

@@ -63,6 +63,8 @@ import torch
 from megatron_moe.distributed import collectives
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.model.precision import fold_grad, grad_dtype, grad_of, has_main_grad
+from megatron_moe.moe.balancers import BALANCERS
+from megatron_moe.moe.schedules.base import EXCHANGES
 
 BUCKET_BYTES = 32 << 20
 
@@ -115,14 +117,10 @@ def reduce_squared_norms(squared: Dict[Tuple[str, ...], torch.Tensor], state: Pa
 
 def late_expert_grads(cfg) -> str:
     """Why expert parameters' gradients get additions after their last hook under `cfg` (their
-    buckets then start after backward, module docstring); '' when they do not."""
-    if cfg.moe.balancer in ("fastermoe", "proprophet"):
-        return "the replicas' Agg adds into the owners' gradients when backward ends (moe/replicas.py)"
-    if cfg.moe.balancer in ("flexmoe", "eplb"):
-        return "vExpert slots sum their gradients after backward (before_grad_sync)"
-    if cfg.moe.smart_schedule:
-        return "the smart schedule back-propagates each pairwise step on its own (a hook per step)"
-    return ""
+    buckets then start after backward, module docstring); '' when they do not. Each balancer and the
+    smart schedule's exchange declare it (their class attribute `late_expert_grads`)."""
+    parts = [BALANCERS.get(cfg.moe.balancer)] + ([EXCHANGES.get("smart")] if cfg.moe.smart_schedule else [])
+    return "; ".join(part.late_expert_grads for part in parts if part.late_expert_grads)
 
 
 class HookedLaunch:

@@ -21,6 +21,9 @@ def _check_lr_schedule(cfg, world_size: int) -> None:
     if cfg.training.lr_decay_iters is not None and cfg.training.lr_decay_iters < 1:
         raise ConfigError(f"training.lr_decay_iters={cfg.training.lr_decay_iters} must be >= 1 "
                           "(or null: decay until training.train_iters)")
+    if cfg.training.lr_decay_iters is not None and cfg.training.lr_decay_iters <= cfg.optimizer.warmup_iters:
+        raise ConfigError(f"training.lr_decay_iters={cfg.training.lr_decay_iters} must be > optimizer.warmup_iters="
+                          f"{cfg.optimizer.warmup_iters}: the decay starts after warmup (Megatron-LM's rule)")
 
 
 def decay_iters(cfg: Config) -> int:

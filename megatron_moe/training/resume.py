@@ -27,9 +27,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from megatron_moe.config import Config, ConfigError
-from megatron_moe.training.checkpoint import (META, checkpoint_config, checkpoint_dir, checkpoint_dirs, check_consumed,
-                                              is_checkpoint_root, read_meta)
-from megatron_moe.training.checkpoint_files import MANIFEST
+from megatron_moe.training.checkpoint import META, checkpoint_config, check_consumed, load_path, read_meta
 from megatron_moe.training.failures import CheckpointError
 from megatron_moe.training.lr import schedule_change
 
@@ -107,13 +105,17 @@ def same_dir(a: str, b: str) -> bool:
     return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_resume(cfg: Config, path: str) -> List[str]:
-    """Raise CheckpointError if `cfg` may not resume the checkpoint at `path` (module docstring);
-    return the lines to print: the changed keys, how the LR moves."""
+def _read_meta(path: str) -> dict:
     try:
-        meta = read_meta(path)
+        return read_meta(path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read {META} ({exc})") from None
+
+
+def check_resume(cfg: Config, path: str, meta: Optional[dict] = None) -> List[str]:
+    """Raise CheckpointError if `cfg` may not resume the checkpoint at `path` (module docstring);
+    return the lines to print: the changed keys, how the LR moves. `meta`: its meta.json, if read."""
+    meta = _read_meta(path) if meta is None else meta
     check_consumed(path, meta, cfg)
     try:
         saved = checkpoint_config(path)
@@ -158,29 +160,14 @@ def nothing_to_train(cfg: Config, path: Optional[str], iteration: int) -> Option
             "training.eval_only=true")
 
 
-def resume_candidate(cfg: Config) -> Optional[str]:
-    """The checkpoint that `checkpoint.load` would resume, found by names only (the ranks verify
-    its files when they load it): None for a fresh start."""
-    load = cfg.checkpoint.load
-    if load is None:
-        return None
-    root = checkpoint_dir(cfg) if load == "auto" else load
-    if load != "auto" and not is_checkpoint_root(root):
-        if not os.path.isfile(os.path.join(root, MANIFEST)):
-            raise CheckpointError(f"checkpoint {root} is incomplete: no {MANIFEST} (the save did not finish)")
-        return root
-    done = [d for d in checkpoint_dirs(root) if os.path.isfile(os.path.join(d, MANIFEST))]
-    if not done and load != "auto":
-        raise CheckpointError(f"{root} holds no complete checkpoint")
-    return done[-1] if done else None
-
-
 def preview_resume(cfg: Config) -> List[str]:
-    """`--check-config`: the lines about the checkpoint this config resumes (CheckpointError if it may not)."""
-    path = resume_candidate(cfg)
+    """`--check-config`: the lines about the checkpoint this config resumes (CheckpointError if it may
+    not), found by names only (`load_path(verify=False)`: the ranks verify its files when they load it)."""
+    path = load_path(cfg, verify=False)
     if path is None:
         return []
-    notes = check_resume(cfg, path)
-    iteration = read_meta(path)["iteration"]
+    meta = _read_meta(path)
+    notes = check_resume(cfg, path, meta)
+    iteration = meta["iteration"]
     idle = nothing_to_train(cfg, path, iteration)
     return [f"resumes from {path} (iteration {iteration})"] + notes + ([idle] if idle else [])

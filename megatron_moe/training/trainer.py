@@ -341,7 +341,7 @@ class Trainer:
         if tr.eval_only:
             return [self.evaluate_checkpoint()]
         start = self.load_checkpoint()  # before touching the run directory: a refused resume leaves it alone
-        idle = nothing_to_train(self.cfg, self.loaded_from, start)
+        idle = self.nothing_to_train
         if idle is not None:
             if writer:
                 print(idle, flush=True)
@@ -408,19 +408,19 @@ class Trainer:
     def load_checkpoint(self) -> int:
         """Collective: load what `checkpoint.load` names (auto: this run's newest complete one, if
         any) once `check_resume` allows it (training/resume.py); return the iteration to continue
-        after (0 = fresh start)."""
+        after (0 = fresh start). Sets `nothing_to_train`: the line `train` prints instead (None: it trains)."""
         from megatron_moe.training import checkpoint
 
-        path = checkpoint.load_path(self.cfg)
-        if path is None:
-            return 0
-        notes = check_resume(self.cfg, path)  # every rank: the same files, the same verdict
-        meta = checkpoint.load_checkpoint(path, self.cfg, self.state, self.model, self.optimizer)
-        self.skipped_iterations = meta.get("trainer", {}).get("skipped_iterations", 0)
-        self.loaded_from = path
-        if self.state.rank == 0 and not nothing_to_train(self.cfg, path, meta["iteration"]):  # else `train` says so
-            print("\n".join([f"checkpoint: resumed from {path} (iteration {meta['iteration']})"] + notes), flush=True)
-        return meta["iteration"]
+        path, iteration = checkpoint.load_path(self.cfg), 0
+        if path is not None:
+            notes = check_resume(self.cfg, path)  # every rank: the same files, the same verdict
+            meta = checkpoint.load_checkpoint(path, self.cfg, self.state, self.model, self.optimizer)
+            self.skipped_iterations = meta.get("trainer", {}).get("skipped_iterations", 0)
+            self.loaded_from, iteration = path, meta["iteration"]
+        self.nothing_to_train = nothing_to_train(self.cfg, path, iteration)
+        if path is not None and self.state.rank == 0 and not self.nothing_to_train:  # else `train` says so
+            print("\n".join([f"checkpoint: resumed from {path} (iteration {iteration})"] + notes), flush=True)
+        return iteration
 
     def evaluate_checkpoint(self) -> Record:
         """`training.eval_only` (Megatron's --skip-train): `evaluate` the checkpoint `checkpoint.load`

@@ -310,3 +310,19 @@ def test_bucket_size_and_side_channels(extra, reason):
     assert (late_expert_grads(cfg) == "") == (reason == "") and reason in late_expert_grads(cfg)
     assert "dp" in side_channels(cfg) and ("edp" in side_channels(cfg)) == (reason == "")
     assert side_channels(load_config("configs/gpt_moe_tiny.yaml", [])) == []
+
+
+def test_late_expert_grads_is_what_the_registered_parts_declare(monkeypatch):
+    """A balancer (or the smart exchange) declares `late_expert_grads`; no list of names to keep."""
+    from megatron_moe.moe.balancers import BALANCERS
+    from megatron_moe.moe.balancers.base import OwnerOnly
+
+    class Late(OwnerOnly):
+        late_expert_grads = "its plan adds to expert gradients after backward"
+
+    BALANCERS.names()  # the entries registered
+    monkeypatch.setitem(BALANCERS._entries, "late_test", Late)
+    cfg = load_config("configs/gpt_moe_tiny.yaml", ["optimizer.overlap_grad_reduce=true", "moe.balancer=late_test"])
+    assert late_expert_grads(cfg) == Late.late_expert_grads and side_channels(cfg) == ["dp"]
+    cfg.moe.smart_schedule = True  # both reasons, each once
+    assert late_expert_grads(cfg).count(";") == 1 and "smart" in late_expert_grads(cfg)

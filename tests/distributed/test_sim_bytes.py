@@ -10,7 +10,8 @@ smart schedule's pairwise steps, and for the vExpert balancers (EPLB, FlexMoE) t
 gradient sum, the decision's window all-reduce and the moves between two steps.
 
 Whole iterations (fp32, and bf16 where the name says so): the Trainer (GPT, 4 processes, a node per 2 ranks) on pipeline 2 x expert 2 (1F1B
-on an uneven split with dense layers; 1F1B with `optimizer.distributed`; interleaved 1F1B over 2
+on an uneven split with dense layers; 1F1B with `optimizer.distributed` in small buckets overlapped with
+backward, and one stage of expert 2 with `optimizer.overlap_grad_reduce` (the side channels); interleaved 1F1B over 2
 virtual stages on an uneven split with S2 + FasterMoE and `optimizer.distributed`) and on one
 stage with tensor 2 x expert 2 records its routing trace; every rank's every counter of each
 iteration (`train_step`: the activations between the stages, kind "pipeline", and the part to the
@@ -165,7 +166,12 @@ PP2_EP2 = ["parallel.pipeline=2", "parallel.expert=2"]
 PIPELINE_RUNS = {  # name: (RankLayout kwargs, overrides on PIPELINE_COMMON)
     "1f1b-uneven": (dict(pipeline=2, expert=2), PP2_EP2 + ["model.num_layers=4", "parallel.pipeline_layers=[1,3]",
                                                          "moe.layer_freq=2"]),
-    "1f1b-distributed": (dict(pipeline=2, expert=2), PP2_EP2 + ["model.num_layers=4", "optimizer.distributed=true"]),
+    # ZeRO-1 in small buckets (several flat buffers per kind), reduce-scattered from the hooks on dp_side
+    "1f1b-distributed": (dict(pipeline=2, expert=2), PP2_EP2 + ["model.num_layers=4", "optimizer.distributed=true",
+                                                              "optimizer.grad_bucket_mb=0.01",
+                                                              "optimizer.overlap_grad_reduce=true"]),
+    "one-stage-overlap": (dict(expert=2), ["parallel.expert=2", "model.num_layers=2",  # dp / edp 2: both side channels
+                                           "optimizer.overlap_grad_reduce=true", "optimizer.grad_bucket_mb=0.01"]),
     "interleaved-uneven-distributed": (dict(pipeline=2, expert=2), PP2_EP2 + [
         "model.num_layers=5", "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
         "parallel.pipeline_layers=[2,1,1,1]", "optimizer.distributed=true", "moe.schedule=s2",
@@ -186,16 +192,18 @@ PIPELINE_RUNS = {  # name: (RankLayout kwargs, overrides on PIPELINE_COMMON)
 }
 
 
-def _pipeline_config(name: str, tmp: str):
-    return load_config("configs/gpt_moe_tiny.yaml", PIPELINE_COMMON + PIPELINE_RUNS[name][1] +
+def _pipeline_config(name: str, tmp: str, runs=None):
+    runs = PIPELINE_RUNS if runs is None else runs
+    return load_config("configs/gpt_moe_tiny.yaml", PIPELINE_COMMON + runs[name][1] +
                        [f"training.run_dir={os.path.join(tmp, name)}"])
 
 
-def _train_pipeline(state, tmp: str):
+def _train_pipeline(state, tmp: str, runs=None):
     """Every run's per-iteration counters on this rank: {run: [(bytes, inter-node bytes)]}."""
     out = {}
-    for name, (layout, _) in PIPELINE_RUNS.items():
-        cfg = _pipeline_config(name, tmp)
+    runs = PIPELINE_RUNS if runs is None else runs
+    for name, (layout, _) in runs.items():
+        cfg = _pipeline_config(name, tmp, runs)
         sub = ParallelState.build(RankLayout(world_size=state.world_size, **layout, **NODE), state.rank,
                                   side_channels(cfg))  # as the trainer (training/entry.py)
         trainer = Trainer(cfg, sub, GPTMoEModel, synthetic_datasets)
@@ -222,9 +230,13 @@ def pipeline_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PIPELINE_RUNS))
 def test_simulated_pipeline_bytes_equal_the_real_counters(pipeline_runs, name):
     """Each iteration of a real pipeline run, replayed from its routing trace."""
-    tmp, ranks = pipeline_runs
+    check_replay(*pipeline_runs, name, PIPELINE_RUNS)
+
+
+def check_replay(tmp, ranks, name, runs):
+    """Every iteration of real run `name` (of `runs`), replayed: every rank's every counter equals the simulator's."""
     with tempfile.TemporaryDirectory() as work:
-        sim = Simulation(_pipeline_config(name, tmp), load_profile(PROFILE), 4, work)
+        sim = Simulation(_pipeline_config(name, tmp, runs), load_profile(PROFILE), 4, work)
         steps = list(sim.trace(os.path.join(tmp, name, "routing"), 0).steps())
         assert [it for it, _, micro in steps if micro is not None] == [1, 2]  # per micro-batch counts, replayed
         kinds = set()
@@ -232,7 +244,7 @@ def test_simulated_pipeline_bytes_equal_the_real_counters(pipeline_runs, name):
             result = sim.iteration(iteration, counts, micro)
             _compare([r[name][i] for r in ranks], sim.traffic, f"{name} iteration {iteration}")
             kinds |= {key.split("/")[0] for r in ranks for key, v in r[name][i][0].items() if v}
-            pipelined = PIPELINE_RUNS[name][0].get("pipeline", 1) > 1
+            pipelined = runs[name][0].get("pipeline", 1) > 1
             assert (0 < result.pipeline_bubble < 1 and result.pipeline_bubble_ideal > 0) == pipelined
         # the balancers' traffic ran (and was predicted): replicas, vExpert moves, the smart schedule
         wanted = {"proprophet": "trans", "fastermoe": "trans", "flexmoe": "vexpert_move", "smart": "smart_p2p"}

@@ -6,31 +6,23 @@ under torchrun (expert 2); bad input: one line on stderr, exit 2. No downloads."
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.e2e.demo_checkpoint import run_tool, train_demo_checkpoint
+
 pytest.importorskip("lm_eval")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
 TASKS = ["--tasks", "stdlib_mc,stdlib_gen", "--include_path", "configs/eval_tasks", "--batch_size", "4"]
 
 
 def _run(args, torchrun=False):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if torchrun else [sys.executable]
-    return subprocess.run(launcher + ["tools/evaluate.py"] + args, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=600)
+    return run_tool("evaluate.py", args, ENV, torchrun)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    run = tmp_path_factory.mktemp("demo")
-    subprocess.run([sys.executable, "pretrain_gpt_moe.py", "--config", "configs/gpt_moe_tiny.yaml",
-                    f"training.run_dir={run}", "checkpoint.save_interval=100", "training.train_iters=4",
-                    "training.eval_interval=0", "logging.tensorboard=false"], cwd=ROOT, env=ENV, check=True,
-                   capture_output=True, timeout=600)
-    return str(run / "checkpoints")
+    return train_demo_checkpoint(tmp_path_factory.mktemp("demo"), ENV)
 
 
 def _results(directory):

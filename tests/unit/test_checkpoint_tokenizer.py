@@ -15,7 +15,8 @@ from megatron_moe.convert import offline
 from megatron_moe.data import embedded_corpus
 from megatron_moe.data.tokenizer_training import train_bpe, train_sentencepiece
 from megatron_moe.data.tokenizers import TokenizerSpec
-from megatron_moe.training.checkpoint_tokenizer import load_checkpoint_tokenizer
+from megatron_moe.convert.hf_tokenizer import extra_specials
+from megatron_moe.training.checkpoint_tokenizer import checkpoint_tokenizer_spec, load_checkpoint_tokenizer
 from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.inference import build_single_process_model
 from megatron_moe.training.checkpoint import checkpoint_tokenizer_dir
@@ -78,6 +79,17 @@ def _assert_same(kind: str, ours, hf, texts=SAMPLE) -> None:
         assert hf.convert_ids_to_tokens(i) == ours.special_texts[role], (kind, role)
 
 
+def _assert_prefix_token(spec, tok, hf) -> None:
+    """The export declares the bos `extra_specials` finds, and the lm-eval backend's prefix token is
+    the one lm-eval's `hf` backend takes from the export (its bos, else its eos)."""
+    assert extra_specials(spec, tok).get("bos_token") == hf.bos_token
+    try:
+        from megatron_moe.evaluation.lm_eval_model import prefix_token
+    except ImportError:  # lm-eval is an optional extra
+        return
+    assert prefix_token(spec, tok) == (hf.eos_token_id if hf.bos_token_id is None else hf.bos_token_id)
+
+
 def _export_and_check(kind, ckpt, spec_tokenizer, out):
     offline.export_hf(ckpt, out)
     offline.export_hf(ckpt, out)  # an export of ours (tokenizer files included) is replaced without --force
@@ -109,6 +121,7 @@ def test_checkpoint_carries_tokenizer_and_export_encodes_as_training(kind, tmp_p
     if kind == "hf":
         assert loaded.describe() == training.describe()  # its special_tokens_map.json came along
     hf = _export_and_check(kind, moved, training, str(tmp_path / "export"))
+    _assert_prefix_token(checkpoint_tokenizer_spec(moved), loaded, hf)
     if kind == "sentencepiece":
         assert hf.bos_token_id == training._sp.bos_id()
         assert os.path.isfile(tmp_path / "export" / "tokenizer.model")

@@ -13,6 +13,7 @@ import torch
 
 from megatron_moe.config import load_config, validate_config
 from megatron_moe.distributed.parallel_state import ParallelState
+from megatron_moe import generation
 from megatron_moe.generation import KVCache, generate, sample
 from megatron_moe.model.gpt import GPTMoEModel
 
@@ -143,13 +144,33 @@ def test_cache_mask_sees_own_real_keys_only():
     assert cache.allowed(2)[:, 0, 0].tolist() == [[False, False, True, True], [False, False, True, True]]
 
 
-def test_cost_per_token_is_flat():
-    """Decode tokens/s after a 32-token and after a 512-token prompt, alternated, median of 5."""
+def _rate_ratios(model, pairs: int = 7) -> list:
+    """Decode tokens/s after a 32-token prompt over that after a 512-token prompt, for `pairs`
+    back-to-back pairs (the order alternated within each): a load spike on a shared machine slows
+    both runs of a pair, and the median drops the pairs it hit only one of."""
+    ratios = []
+    for i in range(pairs):
+        rates = {}
+        for length in ((32, 512) if i % 2 == 0 else (512, 32)):
+            rates[length] = generate(model, [[(7 * j) % 128 for j in range(length)]], 24)[0].tokens_per_s
+        ratios.append(rates[32] / rates[512])
+    return ratios
+
+
+def test_cost_per_token_is_flat(monkeypatch):
+    """The median of the pairs' ratios is within 1.5x (about 1.05 measured); the same measurement of
+    a decoder that recomputes the whole sequence each step (no cache; about 3x) fails it, so the
+    check resolves a cost that grows with the position on this machine."""
     model = tiny_model(CASES["gqa_rope"], seq_length=1024)
-    rates = {32: [], 512: []}
-    for _ in range(5):
-        for length in rates:
-            prompt = [(7 * i) % 128 for i in range(length)]
-            rates[length].append(generate(model, [prompt], 24)[0].tokens_per_s)
-    short, long = statistics.median(rates[32]), statistics.median(rates[512])
-    assert short / long < 1.5, rates
+    ratios = _rate_ratios(model)
+    assert statistics.median(ratios) < 1.5, ratios
+    step = generation._step
+
+    def recompute(net, tokens, valid, cache):  # the sequence so far through a fresh cache: no reuse
+        cache.seq = tokens if cache.length == 0 else torch.cat([cache.seq, tokens], 1)
+        cache.real = valid if cache.length == 0 else torch.cat([cache.real, valid], 1)
+        cache.length += tokens.shape[1]
+        return step(net, cache.seq, cache.real, KVCache(tokens.shape[0], cache.seq.shape[1], tokens.device))
+    monkeypatch.setattr(generation, "_step", recompute)
+    uncached = _rate_ratios(model, pairs=3)
+    assert statistics.median(uncached) > 1.5, uncached

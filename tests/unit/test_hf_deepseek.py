@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_moe import load_model
-from megatron_moe.config import load_config
+from megatron_moe.config import load_config, validate_config
 from megatron_moe.convert import offline
 from megatron_moe.convert.hf_common import INDEX
 from megatron_moe.convert.hf_families import family_of
@@ -210,13 +210,18 @@ GLM45_AIR = {  # zai-org/GLM-4.5-Air config.json
     "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
     "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "use_qk_norm": False, "vocab_size": 151552}
+GLM45 = dict(GLM45_AIR, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160,
+             routed_scaling_factor=2.5, first_k_dense_replace=3, num_hidden_layers=92, use_qk_norm=True)  # zai-org/GLM-4.5
 
 
-@pytest.mark.parametrize("hf,published", [(DEEPSEEK_V3, 671e9), (GLM45_AIR, 106e9)], ids=["deepseek_v3", "glm45_air"])
+@pytest.mark.parametrize("hf,published", [(DEEPSEEK_V3, 671e9), (GLM45_AIR, 106e9), (GLM45, 355e9)],
+                         ids=["deepseek_v3", "glm45_air", "glm45"])
 def test_real_configs_give_transformers_parameter_count(hf, published):
     """MTP off on our side: transformers builds no MTP module. Our expert bias is a frozen parameter,
-    transformers' e_score_correction_bias a buffer: counted on both sides."""
+    transformers' e_score_correction_bias a buffer: counted on both sides. The imported config
+    validates as it is (the published context length included)."""
     cfg = load_config(None, family_of(hf["model_type"]).overrides(hf) + offline.SINGLE + ["model.mtp_depth=0"])
+    validate_config(cfg, 1)
     config_cls, model_cls = CLASSES[hf["model_type"]]
     with torch.device("meta"):
         ours = sum(p.numel() for p in GPTMoEModel(cfg, ParallelState.single_process()).parameters())
@@ -263,3 +268,64 @@ def test_dense_model_of_the_family_upcycles_to_the_same_function(config, tmp_pat
     assert [layer.is_moe for layer in after.model.layers] == [False, True] and after.model.mtp[0].layer.is_moe
     with torch.no_grad():
         assert (before(TOKENS) - after(TOKENS)).abs().max().item() < 1e-5
+
+
+def test_export_streams_one_layer_or_mtp_module_at_a_time(tmp_path, monkeypatch):
+    """export-hf reads each MTP module like a layer, on its own (DeepSeek-V3's layer 61 is as big as
+    any layer): no read holds two layers / MTP modules, the outer read none; the copies are exported."""
+    from megatron_moe.inference import build_single_process_model
+
+    cfg = load_config("configs/deepseek_v3_tiny.yaml", offline.SINGLE + ["model.mtp_depth=2", f"training.run_dir={tmp_path}"])
+    weights = {n: p.detach() + 0.01 for n, p in build_single_process_model(cfg).named_parameters()}
+    offline.write_model_checkpoint(str(tmp_path / "ours"), cfg, weights)
+    reads, load_full = [], offline.load_full
+    monkeypatch.setattr(offline, "load_full", lambda path, keys: reads.append(keys) or load_full(path, keys))
+    offline.export_hf(str(tmp_path / "ours"), str(tmp_path / "out"))
+    modules = [{".".join(k.split(".")[:2]) for k in keys if k.startswith(("model/layers.", "model/mtp."))} for keys in reads]
+    assert all(len(m) <= 1 for m in modules), modules
+    assert sorted(m.pop() for m in modules if m) == ["model/layers.0", "model/layers.1", "model/mtp.0", "model/mtp.1"]
+    exported = hf_tensors(tmp_path / "out")
+    assert torch.equal(exported["model.layers.3.eh_proj.weight"], weights["mtp.1.eh_proj.weight"])
+    assert torch.equal(exported["model.layers.3.shared_head.head.weight"], weights["output.weight"])
+
+
+def test_kimi_k2_imports_as_deepseek_v3():
+    """moonshotai/Kimi-K2-Instruct's config.json (model_type kimi_k2, DeepseekV3ForCausalLM through its
+    remote code) is DeepSeek-V3's shape: it imports into transformers' DeepseekV3 parameter count."""
+    from megatron_moe.convert.hf_families import import_family_of
+
+    hf = dict(DEEPSEEK_V3, model_type="kimi_k2", first_k_dense_replace=1, max_position_embeddings=131072, n_group=1,
+              topk_group=1, n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64,
+              num_nextn_predict_layers=0, routed_scaling_factor=2.827, rope_theta=50000.0, vocab_size=163840,
+              rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+              quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                   "weight_block_size": [128, 128]})
+    family = import_family_of("kimi_k2")
+    assert family is family_of("deepseek_v3")
+    cfg = load_config(None, family.overrides(hf) + offline.SINGLE + ["model.seq_length=4096"])
+    validate_config(cfg, 1)
+    unquantized = {k: v for k, v in hf.items() if k not in ("quantization_config", "model_type")}
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in GPTMoEModel(cfg, ParallelState.single_process()).parameters() if p.requires_grad)
+        theirs = sum(p.numel() for p in transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**unquantized)).parameters())
+    assert ours == theirs and abs(ours - 1.03e12) < 0.03e12, ours
+
+
+@pytest.mark.parametrize("top,own", [(8192, 4096), (None, 4096), (None, None)], ids=["top_level", "own", "absent"])
+def test_yarn_original_context_as_transformers_reads_it(top, own):
+    """YaRN's `original_max_position_embeddings`: a top-level key wins over rope_scaling's, an absent one
+    is `max_position_embeddings` (transformers' standardize_rope_params, run again when the rotary
+    tables are built): our inverse frequencies and attention factor equal transformers'."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from megatron_moe.model.rotary import inverse_frequencies
+
+    rope = {k: v for k, v in DEEPSEEK_V3["rope_scaling"].items() if k != "original_max_position_embeddings"}
+    hf = dict(DEEPSEEK_V3, rope_scaling=dict(rope, **({} if own is None else {"original_max_position_embeddings": own})),
+              **({} if top is None else {"original_max_position_embeddings": top}))
+    cfg = load_config(None, family_of("deepseek_v3").overrides(hf) + offline.SINGLE)
+    config = transformers.DeepseekV3Config(**{k: v for k, v in hf.items() if k != "model_type"})
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours = inverse_frequencies(hf["qk_rope_head_dim"], cfg.model.rope_theta, cfg.model.rope_scaling)
+    assert torch.equal(ours[0], theirs) and ours[1] == factor
+    assert cfg.model.rope_scaling.original_max_position_embeddings == (top or own or hf["max_position_embeddings"])

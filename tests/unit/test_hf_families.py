@@ -104,3 +104,29 @@ def test_unsupported_fields_are_refused_by_name(field, value):
         hf["use_sliding_window"] = True
     with pytest.raises(ValueError, match=field):
         family_of("qwen3_moe").overrides(hf)
+
+
+def test_convert_checkpoint_help_lists_every_family(capsys):
+    """`tools/convert_checkpoint.py --help` (the module docstring) and `export-hf --help` name every
+    family export-hf writes."""
+    from megatron_moe.convert.hf_families import FAMILIES
+    from tools.convert_checkpoint import main
+
+    for argv in (["--help"], ["export-hf", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert [f for f in FAMILIES if f not in out] == [], argv
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_partial_rotary_factor_is_refused_where_it_is_not_mapped(family):
+    """transformers moves a top-level `partial_rotary_factor` into the rope parameters and rotates only
+    that fraction of each head: a family without `model.rotary_percent` refuses it by name (GLM-4.5
+    maps it: tests/unit/test_hf_deepseek.py)."""
+    from tests.unit.test_hf_deepseek import DEEPSEEK_V3
+    from tests.unit.test_hf_gpt_oss import GPT_OSS_20B
+
+    hf = {"qwen3_moe": QWEN3_30B_A3B, "deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS_20B}[family]
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        family_of(family).overrides(dict(hf, partial_rotary_factor=0.5))

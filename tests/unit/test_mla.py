@@ -293,6 +293,27 @@ def test_yarn_softmax_factor_is_hf_scaling():
     assert isinstance(module, MultiLatentAttention)
 
 
+@pytest.mark.parametrize("keys", [dict(mscale_all_dim=1.0), dict(mscale=0.707), dict(mscale=1.0, mscale_all_dim=0.8),
+                                  dict()])
+def test_imported_yarn_scales_match_transformers(keys):
+    """The conversion's `model.rope_scaling.*` of a YaRN config.json with either of mscale /
+    mscale_all_dim absent (convert/hf_rope.py): the cos / sin attention factor equals transformers'
+    `_compute_yarn_parameters` and MLA's softmax scale `DeepseekV3Attention.scaling` (a
+    mscale_all_dim without mscale still scales the softmax)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+    from megatron_moe.config import load_config
+    from megatron_moe.convert.hf_rope import rope_scaling_overrides
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=16, **keys)
+    cfg = _config()
+    cfg.model.rope_scaling = load_config(None, rope_scaling_overrides(rope)).model.rope_scaling
+    hf = DeepseekV3Config(hidden_size=32, num_attention_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+                          qk_rope_head_dim=4, v_head_dim=5, max_position_embeddings=64, rope_parameters=dict(rope))
+    _, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    assert inverse_frequencies(4, 10000.0, cfg.model.rope_scaling)[1] == pytest.approx(want_factor, rel=1e-12)
+    assert _mla(cfg).softmax_factor * 10 ** -0.5 == pytest.approx(DeepseekV3Attention(hf, 0).scaling, rel=1e-12)
+
+
 def test_mla_checkpoint_reshards(tmp_path):
     """tools/convert_checkpoint.py's reshard moves MLA's parameters by their ParamMeta: the replicated
     down projections and norms are saved once, the up projections in tp chunks, and the resharded

@@ -161,6 +161,31 @@ def test_nothing_to_train_says_so_in_one_line(run, capsys):
     assert (run_dir / "complete.json").exists()
 
 
+def test_resume_reads_once_and_check_config_finds_by_names(run, tmp_path, monkeypatch):
+    """`--check-config` finds the checkpoint as the trainer does (`load_path`, by names only: no
+    hashing), reads its meta.json once; a run decides `nothing_to_train` once."""
+    import shutil
+
+    from megatron_moe.training import checkpoint, checkpoint_files, resume
+    from megatron_moe.training import trainer as trainer_module
+
+    run_dir, _ = run
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(run_dir / "checkpoints", ckpts)
+    (ckpts / "iter_0000003").mkdir()  # a save that did not finish: no manifest
+    cfg = load_config(CONFIG, overrides(run_dir, f"checkpoint.dir={ckpts}", "checkpoint.load=auto"))
+    reads, hashes, decided = [], [], []
+    monkeypatch.setattr(resume, "read_meta", lambda path: reads.append(path) or checkpoint.read_meta(path))
+    monkeypatch.setattr(checkpoint_files, "_sha256", lambda path: hashes.append(path))
+    lines = resume.preview_resume(cfg)
+    assert lines[0] == f"resumes from {ckpts}/iter_0000002 (iteration 2)" and reads == [f"{ckpts}/iter_0000002"]
+    assert hashes == []
+    real = trainer_module.nothing_to_train
+    monkeypatch.undo()  # hashing back for the trainer's load
+    monkeypatch.setattr(trainer_module, "nothing_to_train", lambda *a: decided.append(a) or real(*a))
+    assert trainer(run_dir, "checkpoint.load=auto").train() == [] and len(decided) == 1
+
+
 # -- item 4: training.lr_decay_iters ----------------------------------------------------------------
 def _lr_config(*extra):
     return load_config(None, ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_iters=10",
@@ -177,6 +202,10 @@ def test_lr_decay_iters_values():
     assert learning_rate(default, 35) == pytest.approx(5.5e-4) and learning_rate(default, 60) == pytest.approx(1e-4)
     with pytest.raises(ConfigError, match="training.lr_decay_iters=0 must be >= 1"):
         validate_config(_lr_config("training.lr_decay_iters=0"), 1)
+    for decay in (10, 5):  # at or before the end of warmup: no decay left (Megatron-LM asserts warmup < decay)
+        with pytest.raises(ConfigError, match=f"training.lr_decay_iters={decay} must be > optimizer.warmup_iters=10"):
+            validate_config(_lr_config(f"training.lr_decay_iters={decay}"), 1)
+    validate_config(_lr_config("training.lr_decay_iters=11"), 1)
 
 
 def test_a_resume_that_reshapes_the_schedule_says_how_the_lr_moves():

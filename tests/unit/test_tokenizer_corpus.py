@@ -43,7 +43,7 @@ def test_jsonl_is_read_by_its_keys_not_as_raw_text(jsonl, tmp_path, capsys):
     capsys.readouterr()
     # another key, or a missing one: one line naming the file and line, as preprocess_data says it
     assert train_tokenizer.main(["--input", str(jsonl), "--json-keys", "body", "--vocab-size", "300",
-                                 "--output-dir", str(tmp_path / "x")]) == 1
+                                 "--output-dir", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {jsonl}:1: no key 'body' (keys: ['meta', 'text'])\n"
 

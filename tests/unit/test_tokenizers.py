@@ -112,7 +112,30 @@ def test_train_tokenizer_cli(tmp_path):
                 build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp" / "spm.model"))):
         assert tok.detokenize(tok.tokenize(TEXTS[0])) == TEXTS[0]
     assert train_tokenizer.main(["--type", "sentencepiece", "--input", str(corpus), "--vocab-size", "50",
-                                 "--output-dir", str(tmp_path / "sp2")]) == 1  # too small: one error line
+                                 "--output-dir", str(tmp_path / "sp2")]) == 2  # too small: one error line
+
+
+def test_train_tokenizer_replaces_its_output_whole_and_exits_2_on_user_errors(tmp_path, capsys):
+    """--output-dir is written beside itself and renamed in when complete: a failed training (a crash
+    alike) leaves the previous tokenizer whole and no partial directory; user errors exit 2."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS))
+    out = tmp_path / "sp"
+    assert train_tokenizer.main(["--type", "sentencepiece", "--input", str(corpus), "--vocab-size", "400",
+                                 "--output-dir", str(out)]) == 0
+    before = (out / "spm.model").read_bytes()
+    assert train_tokenizer.main(["--type", "sentencepiece", "--input", str(corpus), "--vocab-size", "50",
+                                 "--output-dir", str(out)]) == 2  # fails inside the training
+    assert (out / "spm.model").read_bytes() == before and sorted(os.listdir(tmp_path)) == ["corpus.txt", "sp"]
+    assert train_tokenizer.main(["--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
+                                 "--output-dir", str(out)]) == 2
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "notes.txt").write_text("mine")
+    assert train_tokenizer.main(["--input", str(corpus), "--vocab-size", "300", "--output-dir",
+                                 str(tmp_path / "mixed")]) == 2
+    assert (tmp_path / "mixed" / "notes.txt").read_text() == "mine"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and "holds other files (notes.txt)" in err[2], err
 
 
 @pytest.mark.parametrize("kind,kwargs,needle", [

@@ -43,7 +43,13 @@ class NoCrossLayer:
         return y  # (Pro-Prophet: an issue point when the expert output's gradient arrives)
 
 
+REPLICA_AGG = "the replicas' Agg adds into the owners' gradients when backward ends (moe/replicas.py)"
+
+
 class Balancer(ABC):
+    # why expert gradients get additions after backward ends ('' if none): their buckets then reduce
+    # after backward, not from hooks (training/grads.py `late_expert_grads`)
+    late_expert_grads = ""
     plans_during_dispatch = False  # `observe` runs while the dispatch all-to-all is in flight
     prefetches_trans = False  # the block before issues this layer's Trans (techniques/proprophet/cross_layer.py)
     cross_layer = NoCrossLayer  # take_prefetched / before_experts / after_layer / layer_input / experts_output

@@ -25,7 +25,7 @@ from typing import List, Sequence
 import torch
 
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.balancers.base import Balancer
+from megatron_moe.moe.balancers.base import REPLICA_AGG, Balancer
 from megatron_moe.moe.placement import Placement
 from megatron_moe.techniques.fastermoe.fastermoe_model import ShadowCostModel
 from megatron_moe.perf.hardware import BALANCER_OPS, configured_profile, expert_shape
@@ -102,6 +102,8 @@ def check_fastermoe_config(cfg) -> None:
 @BALANCERS.register("fastermoe")
 class FasterMoE(Balancer):
     """Dynamic shadowing: Alg. 1 per forward with Eq. 7-8 fed by the hardware profile."""
+
+    late_expert_grads = REPLICA_AGG
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)

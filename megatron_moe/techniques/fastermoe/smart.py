@@ -183,6 +183,8 @@ __all__ = ["SmartPlan", "smart_exchange", "smart_peer_group", "SMART_KIND"]
 class Smart:
     """The smart schedule as the schedules reach it (moe/schedules/base.py `EXCHANGES`)."""
 
+    late_expert_grads = "the smart schedule back-propagates each pairwise step on its own (a hook per step)"
+
     Plan = SmartPlan
     peer_group = staticmethod(smart_peer_group)
     exchange = staticmethod(smart_exchange)

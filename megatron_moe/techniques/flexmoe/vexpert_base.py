@@ -39,6 +39,8 @@ MOVES = ("sync", "best_effort")  # when a round of moves completes (`moe.flexmoe
 class SlotBalancer(Balancer):
     """Base of balancers whose replicas are persistent vExpert slots."""
 
+    late_expert_grads = "vExpert slots sum their gradients after backward (before_grad_sync)"
+
     def __init__(self, cfg, state, slots_per_rank: int, interval: int, moves: str = "sync"):
         super().__init__(cfg, state)
         self.state, self.slots_per_rank, self.interval, self.moves = state, slots_per_rank, interval, moves

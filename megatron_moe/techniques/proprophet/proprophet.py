@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from megatron_moe.moe.balancers import BALANCERS
-from megatron_moe.moe.balancers.base import Balancer
+from megatron_moe.moe.balancers.base import REPLICA_AGG, Balancer
 from megatron_moe.techniques.fastermoe.fastermoe import rows_per_rank
 from megatron_moe.moe.placement import Placement, owner_table
 from megatron_moe.perf import timing
@@ -305,6 +305,7 @@ class ProProphet(Balancer):
     """Alg. 1 with locality: the plan searched on one forward's distribution serves the next ones."""
 
     cross_layer = cross_layer  # Alg. 2's block-wise scheduler (active with moe.proprophet.overlap)
+    late_expert_grads = REPLICA_AGG
 
     def __init__(self, cfg, state):
         super().__init__(cfg, state)
