@@ -39,8 +39,10 @@ test: setup
 
 # on a GPU node (a CUDA build of torch), `pytest -m gpu`: the CPU suite's exactness checks on NCCL, one
 # process per GPU (every schedule and balancer, node_dedup, vExperts with edp 2, pipeline and ZeRO-1,
-# checkpoints, bf16 layouts against one GPU, layout invariance through pretrain_gpt_moe.py), NCCL's
-# rules (group devices, moves on a subset of ranks), the host syncs under CUDA's sync debug mode,
+# checkpoints, bf16 layouts against one GPU, layout invariance through pretrain_gpt_moe.py; MLA, the
+# DeepSeek-V3 / gpt-oss / GLM-4.5 families and KV-cache generation against one GPU), NCCL's rules
+# (group devices, moves on a subset of ranks), the host syncs under CUDA's sync debug mode, the
+# CUDA-only attention paths against the CPU (fused SDPA with windows / padding / MLA, sinks, generation),
 # a benchmarks/moe_layer.py run on 2 GPUs and a train_throughput.py bf16 smoke run printing tokens/s
 # and MFU (README, "On a GPU node"); skipped, with the reason, without enough GPUs
 test-gpu: setup

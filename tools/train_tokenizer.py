@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 
-from megatron_moe.convert.offline import _replace_output
+from megatron_moe.convert.offline import replace_output
 from megatron_moe.data.tokenizer_training import text_files, train_bpe, train_sentencepiece
 from megatron_moe.data.tokenizers import build_tokenizer, recommended_vocab_size
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         return 2
     final = lambda path: os.path.join(args.output_dir, os.path.basename(path))  # noqa: E731 (after the rename)
     try:  # written beside --output-dir, renamed into its place when complete (a crash leaves the old one)
-        with tempfile.TemporaryDirectory(prefix="train-tokenizer-") as scratch, _replace_output(args.output_dir) as tmp:
+        with tempfile.TemporaryDirectory(prefix="train-tokenizer-") as scratch, replace_output(args.output_dir) as tmp:
             files = text_files(args.input, args.json_keys, scratch)
             if args.type == "bpe":
                 out = train_bpe(tmp, args.vocab_size, files=files, min_frequency=args.min_frequency)

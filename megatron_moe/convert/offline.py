@@ -16,7 +16,7 @@
 * `upgrade_swiglu`: checkpoints written before SwiGLU's (gate, up) halves layout (issue #16).
 
 Outputs are never written in place: each conversion writes a fresh directory beside `--output` and
-swaps it in when complete (`_replace_output`), so no file of an older output (an earlier
+swaps it in when complete (`replace_output`), so no file of an older output (an earlier
 checkpoint, a stale shard) survives, and a failed conversion leaves the old output untouched. A
 non-empty output is refused unless `force` (export_hf: unless it holds an earlier export of ours).
 
@@ -96,7 +96,7 @@ def check_output(out: str, force: bool, inputs: Tuple[str, ...] = (),
 
 
 @contextmanager
-def _replace_output(out: str) -> Iterator[str]:
+def replace_output(out: str) -> Iterator[str]:
     """A fresh directory beside `out` to write into; when the block completes it takes `out`'s
     place (two renames; the old output is then deleted), when it raises it is deleted."""
     out = os.path.abspath(out)
@@ -123,7 +123,7 @@ def _write_root(out_root: str, force: bool, write: Callable[[str], str]) -> str:
     """`write(root)` (a checkpoint writer returning its iter_* directory) into a fresh root that
     replaces `out_root`; the iter_* directory's final path."""
     check_output(out_root, force)
-    with _replace_output(out_root) as tmp:
+    with replace_output(out_root) as tmp:
         written = os.path.relpath(write(tmp), tmp)
     return os.path.join(out_root, written)
 
@@ -336,7 +336,7 @@ def export_hf(path: str, out_dir: str, family: Optional[str] = None, max_shard_b
     def load(keep) -> Dict[str, torch.Tensor]:
         return {k[len("model/"):]: v for k, v in load_full(path, [k for k in keys if keep(k)]).items()}
 
-    with _replace_output(out_dir) as tmp:
+    with replace_output(out_dir) as tmp:
         H.write_hf(tmp, fam, cfg, load(lambda k: not k.startswith(("model/layers.", "model/mtp."))),
                    lambda i: load(lambda k: k.startswith(f"model/layers.{i}.")), max_shard_bytes,
                    PARAM_DTYPES[precision], lambda d: load(lambda k: k.startswith(f"model/mtp.{d}.")))

@@ -13,7 +13,8 @@ Two entry points:
   the CPU wherever our dW kernels beat the native backward (`Groups.own_wgrad_pays`), backward
   computes dX and adds dW_g = scale x_g^T dy_g straight into the leaf's `.grad`: no `[G, k, n]`
   gradient is allocated per micro-batch and then added, one read-modify-write of the stack
-  instead. Otherwise it is plain autograd through the native kernel.
+  instead. Otherwise it is plain autograd through the native kernel. Under `torch.no_grad`
+  (generation, evaluation) it is the kernel alone (`_mm`), no autograd Function per call.
 
 Kernels (`native_kernel`, a function of device type, capability, dtype and shape alone):
 `torch._grouped_mm`'s own kernel only where it is one kernel with no host sync, else one matmul
@@ -453,6 +454,8 @@ def grouped_mm_into_grad(x: torch.Tensor, leaf: torch.nn.Parameter, scale: float
     gradient, times `scale`, goes straight into `leaf.grad`, in backward or, with a Lancet
     `WGradScheduler`, when that runs its deferred work."""
     groups = _groups(x, leaf.shape[0], counts, device_counts)
+    if not torch.is_grad_enabled():  # inference: the same product, no autograd Function or dW plan per call
+        return _mm(*_autocast_pair(x, _held(leaf.detach())), groups)
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     if (scheduler is None and not has_main_grad(leaf) and not _bucketed(x)
             and _native(x.device, dtype, len(groups.counts), leaf.shape[1], math.prod(leaf.shape[2:]))

@@ -27,7 +27,7 @@ computes that batch: the held stack first, then the replica weights `moe/replica
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,14 +43,29 @@ def owned_experts(q: int, num_experts: int, ep_size: int) -> List[int]:
     return list(range(q * per_rank, (q + 1) * per_rank))
 
 
+# (E, ep) -> the owners' layout, a function of the config alone, built once (a decode step plans
+# every layer for a handful of tokens): ((owner(e),) per expert, resident, Long[E] experts, Long[E] owners)
+_OWNER_LAYOUTS: Dict[Tuple[int, int], tuple] = {}
+
+
+def _owner_layout(num_experts: int, ep_size: int) -> tuple:
+    key = (num_experts, ep_size)
+    if key not in _OWNER_LAYOUTS:
+        owners = [owner_of(e, num_experts, ep_size) for e in range(num_experts)]
+        resident = tuple(tuple(owned_experts(q, num_experts, ep_size)) for q in range(ep_size))
+        _OWNER_LAYOUTS[key] = (tuple((q,) for q in owners), resident, torch.arange(num_experts),
+                               torch.tensor(owners, dtype=torch.long))
+    return _OWNER_LAYOUTS[key]
+
+
 def owner_table(counts: torch.Tensor, ep_size: int) -> Tuple[Tuple[Tuple[int, ...], ...], torch.Tensor]:
     """`Placement.owner_only`'s replicas and routing table, unchecked, for a policy to edit:
     counts Long[S, E] -> ((owner(e),) per expert, Long[S, E, ep] with counts[s, e] at owner(e))."""
     num_sources, num_experts = counts.shape
-    owners = torch.arange(num_experts) // (num_experts // ep_size)
+    replicas, _, experts, owners = _owner_layout(num_experts, ep_size)
     table = torch.zeros(num_sources, num_experts, ep_size, dtype=torch.long)
-    table[:, torch.arange(num_experts), owners] = counts.long()
-    return tuple((q,) for q in owners.tolist()), table
+    table[:, experts, owners] = counts.long()
+    return replicas, table
 
 
 def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
@@ -98,8 +113,15 @@ class Placement:
 
     @classmethod
     def owner_only(cls, counts: torch.Tensor, ep_size: int) -> "Placement":
-        """Every expert computed by its owner: counts Long[S, E] -> routing_table[s, e, owner(e)]."""
-        return cls(*owner_table(counts, ep_size))
+        """Every expert computed by its owner: counts Long[S, E] -> routing_table[s, e, owner(e)].
+        Valid by construction: the checks of `__post_init__` are skipped (the layout is cached)."""
+        replicas, table = owner_table(counts, ep_size)
+        _, resident, experts, owners = _owner_layout(counts.shape[1], ep_size)
+        placement = object.__new__(cls)
+        for name, value in (("replicas", replicas), ("routing_table", table), ("resident", resident),
+                            ("_pairs", (experts, owners))):  # one replica per expert: (e, owner(e)) in order
+            object.__setattr__(placement, name, value)
+        return placement
 
     @classmethod
     def shadowed(cls, counts: torch.Tensor, ep_size: int, shadowed: Sequence[int],

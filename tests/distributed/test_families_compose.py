@@ -19,6 +19,11 @@ norm, the final evaluation's loss and the per-layer loads (tests/distributed/tes
   expert=2 (dp 2) with selective recomputation, GLM-4.5 on tensor=2 expert=2 (fp32 tolerances:
   Inductor's kernels round differently, within them).
 
+On NCCL (`make test-gpu`, 2 GPUs: a GPU node may have only 2): each family on one two-rank layout,
+DeepSeek-V3 on tensor=2 (MLA's heads split over TP, MTP), gpt-oss on expert=2 (sinks and windows on
+CUDA, expert biases) and GLM-4.5 on pipeline=2 (MTP on the last stage), fp32, against one process on
+the test's GPU (NCCL_JOBS).
+
 The same spawn runs the gpt-oss MoE layer (moe_cases case 6: router bias, expert biases, swiglu_oss)
 on expert=2 (dp 2) under Parm's S1, S2 + SAA and auto and FasterMoE's smart schedule, against
 tests/moe_reference.py (baseline: test_moe_baseline.py; node_dedup: test_node_dedup.py).
@@ -29,7 +34,7 @@ from megatron_moe.config import load_config
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
 from megatron_moe.training.trainer import Trainer
 from tests.checkpoint_helpers import synthetic_datasets
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import require_gpus, run_distributed
 from tests.distributed.moe_cases import check_against_reference, run_on_layouts
 from tests.distributed.test_bf16 import LOSS_RTOL, NORM_RTOL
 from tests.distributed.test_moe_parm import TESTBED_B
@@ -74,6 +79,11 @@ JOBS = {  # name: (family, layout kwargs, overrides; the reference: the family's
         "parallel.expert=2", "training.compile=true", "training.recompute=selective"]),
     "glm45 tp2-ep2-compile": ("glm45", TP2_EP2, TP2_EP2_KEYS + ["training.compile=true"]),
 }
+NCCL_JOBS = {  # on 2 GPUs (`make test-gpu`): each family on one two-rank layout, fp32
+    "deepseek_v3 tp2": ("deepseek_v3", dict(tensor=2), ["parallel.tensor=2"]),
+    "gpt_oss ep2": ("gpt_oss", dict(expert=2), ["parallel.expert=2"]),
+    "glm45 pp2": ("glm45", dict(pipeline=2), PP2),
+}
 LAYER_RUNS = [("s1", False, False), ("s2", True, False), ("auto", True, False), ("baseline", False, True),
               ("s2", False, True)]  # (moe.schedule, moe.saa, moe.smart_schedule) on moe_cases case 6
 OSS_CASE = 6
@@ -98,12 +108,14 @@ def _layer_setup(run):
     return OSS_CASE, edit
 
 
-def _spawned(state, tmp):
+def _spawned(state, tmp, jobs=None, extra=()):
+    """{job name: its records} of `jobs` (JOBS, and then the gpt-oss layer runs) with `extra` overrides."""
     out = {}
-    for name, (family, kwargs, overrides) in JOBS.items():
+    for name, (family, kwargs, overrides) in (jobs or JOBS).items():
         sub = ParallelState.build(RankLayout(world_size=state.world_size, **kwargs), state.rank)
-        out[name] = _train(sub, tmp, family, overrides)
-    out["layer"] = [result for result, _ in run_on_layouts(state, [dict(expert=2)], LAYER_RUNS, _layer_setup)[0]]
+        out[name] = _train(sub, tmp, family, list(overrides) + list(extra))
+    if jobs is None:
+        out["layer"] = [result for result, _ in run_on_layouts(state, [dict(expert=2)], LAYER_RUNS, _layer_setup)[0]]
     return out
 
 
@@ -122,9 +134,26 @@ def test_family_layouts_train_like_one_process(name, runs):
     outputs, refs = runs
     family = JOBS[name][0]
     bf16 = "bf16" in name
+    _check_family(name, family, outputs, refs[(family, bf16)], bf16)
+
+
+@pytest.mark.gpu
+def test_families_on_two_gpus_train_like_one_gpu(tmp_path):
+    """NCCL_JOBS on 2 GPUs against one process on this process's GPU (fp32 tolerances)."""
+    require_gpus(2)
+    on = ["parallel.backend=nccl"]
+    outputs = run_distributed(2, _spawned, dict(tensor=2), (str(tmp_path), NCCL_JOBS, on), timeout=900, backend="nccl")
+    one = ParallelState.single_process()
+    refs = {family: _train(one, str(tmp_path), family, on) for family in {job[0] for job in NCCL_JOBS.values()}}
+    for name, (family, _, _) in NCCL_JOBS.items():
+        _check_family(name, family, outputs, refs[family], False)
+
+
+def _check_family(name, family, outputs, ref, bf16):
+    """Every rank's records of job `name` are the single-process run `ref`'s; MTP and loads recorded."""
     tolerances = dict(loss=LOSS_RTOL, aux_loss=LOSS_RTOL, mtp_loss=LOSS_RTOL, eval_loss=LOSS_RTOL, grad_norm=NORM_RTOL)
     for rank, out in enumerate(outputs):
-        _same_run(out[name], refs[(family, bf16)], f"{name} rank {rank}", rel=tolerances if bf16 else None)
+        _same_run(out[name], ref, f"{name} rank {rank}", rel=tolerances if bf16 else None)
     records = outputs[0][name]
     assert records[0].get("mtp_loss", 0) > 0 or family == "gpt_oss", name
     # MoE layers 1-3 (the first dense in DeepSeek-V3 and GLM-4.5) and the MTP layer: every stage's

@@ -10,12 +10,13 @@ all at fp32's exactness tolerance (tests/distributed/test_grads.py's), and tenso
 against the single-process bf16 run at tests/distributed/test_bf16.py's tolerances (loss 2u, grad
 norm 8u). The down projections and their norms are TP-replicated: every TP rank's synced gradient
 equals the single-process one (their gradient is whole on each rank before the sync; model/mla.py).
+On gloo (the CPU) and on NCCL (`make test-gpu`: 4 GPUs, against one process on the test's GPU).
 """
 import pytest
 import torch
 
 from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import BACKENDS, require_gpus, run_distributed
 from tests.distributed.test_bf16 import LOSS_RTOL, NORM_RTOL
 from tests.distributed.test_grads import _model_config
 
@@ -56,11 +57,14 @@ def _check_jobs(state):
     return out
 
 
-def test_mla_matches_single_process_on_tp_and_ep():
-    outs = run_distributed(4, _check_jobs, dict(tensor=2, expert=2))
-    single = ParallelState.single_process()
-    refs = {precision: _run(_model_config({}, MLA + [f"training.precision={precision}"]), single)
-            for precision in ("fp32", "bf16")}
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mla_matches_single_process_on_tp_and_ep(backend):
+    if backend == "nccl":
+        require_gpus(4)  # before the single-GPU references
+    outs = run_distributed(4, _check_jobs, dict(tensor=2, expert=2), backend=backend)
+    single = ParallelState.single_process()  # nccl: one process on this process's GPU
+    refs = {precision: _run(_model_config({}, MLA + [f"training.precision={precision}", f"parallel.backend={backend}"]),
+                            single) for precision in ("fp32", "bf16")}
     for rank, out in enumerate(outs):
         for name, (loss, aux, norm, grads) in out.items():
             ref_loss, ref_aux, ref_norm, ref_grads = refs["bf16" if name.endswith("bf16") else "fp32"]

@@ -118,7 +118,6 @@ HOST_MODULES = {
     "techniques/proprophet/proprophet.py": "Pro-Prophet's planner: numpy on the host counts",
 }
 ALLOWED = {  # (module, function): why it reads no device data in a layer's forward
-    ("moe/placement.py", "owner_table"): "a Placement is host data, built from the counts read once",
     ("moe/placement.py", "Placement.send_splits"): "host routing table",
     ("moe/placement.py", "Placement.recv_splits"): "host routing table",
     ("moe/placement.py", "Placement.expert_counts"): "host routing table",

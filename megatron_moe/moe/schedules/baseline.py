@@ -92,8 +92,9 @@ class PerCopy:
         down in one buffer."""
         ep = self.schedule.state.ep
         rows = tokens.index_select(0, routed.slots // routed.weights.shape[1])  # [m, h] by expert
-        send_order = unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True))
-        recv_order = unless_identity(placement.receive_order(ep.rank)) if receiving else None
+        alone = placement.ep_size == 1  # one EP rank, one source: both orders keep the rows in place
+        send_order = None if alone else unless_identity(torch.argsort(placement.destinations(ep.rank), stable=True))
+        recv_order = unless_identity(placement.receive_order(ep.rank)) if receiving and not alone else None
         counts = torch.tensor(placement.expert_counts(ep.rank), dtype=torch.long) if receiving else None
         send_order, recv_order, counts = upload([send_order, recv_order, counts], rows.device)
         ctx = _CombineContext(routed, placement.send_splits(ep.rank), placement.recv_splits(ep.rank), send_order,
@@ -140,11 +141,13 @@ class BaselineSchedule(Schedule):
         # every rank of a stage routes micro-batches of the same b*s tokens (the config's shapes):
         # the ESP ranks' sizes need no exchange (and no host read of one)
         sizes = [x.shape[0]] * esp.size
-        ids = routing.expert_ids.masked_fill(~routing.kept, -1)  # [n, k], -1 = dropped
+        dropless = routing.capacity is None  # every assignment kept: no -1 ids, the kept counts are the router's
+        ids = routing.expert_ids if dropless else routing.expert_ids.masked_fill(~routing.kept, -1)  # [n, k], -1 = dropped
         ids = C.all_gather_v(ids, esp, sizes, ROUTING_KIND).flatten()  # [n_G * k]
         weights = C.all_gather_v_autograd(routing.weights, esp, sizes, ROUTING_KIND, backward="split")
         num_experts = router.num_experts
-        local_counts = kept_counts(ids, ids >= 0, num_experts)  # [E]
+        local_counts = (routing.tokens_per_expert if dropless and esp.size == 1
+                        else kept_counts(ids, ids >= 0, num_experts))  # [E]
         counts = C.all_gather(local_counts, ep, kind=COUNTS_KIND).view(-1, num_experts)  # [ep, E]
         counts = host_sync.to_host(counts, "counts")  # the forward's one host read
         slots = slots_by_expert(ids, int(counts[ep.rank].sum()))  # by expert; gathered order within an expert
