@@ -215,6 +215,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
     watch = Stopwatch(device)
     logits = _step(net, tokens, valid.bool(), cache)
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    one_slot = torch.ones(b, 1, dtype=torch.bool, device=device)  # a decode step's valid [b, 1]
     new, times, ends = [], [], [None] * b
     for t in range(max_new_tokens):
         nxt = collectives.broadcast(sample(logits, temperature, top_k, top_p, generator).masked_fill(done, pad_id),
@@ -228,7 +229,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
                 ends[i] = t + 1
         if all(finished) or t == max_new_tokens - 1:
             break
-        logits = _step(net, nxt[:, None], torch.ones(b, 1, dtype=torch.bool, device=device), cache)
+        logits = _step(net, nxt[:, None], one_slot, cache)
     out = torch.stack(new, 1).tolist()  # [b, steps]
     results = []
     for i, p in enumerate(prompts):

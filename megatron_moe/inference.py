@@ -48,6 +48,16 @@ def layout_overrides(state: ParallelState) -> list:
             f"parallel.expert_shard={state.esp_size}", "checkpoint.load=null"] + NO_PIPELINE
 
 
+def launch_layout(tensor: int = 1, expert: int = 1):
+    """torch.distributed started for the launcher's processes (not for one) -> (LaunchInfo, the tp / ep
+    ParallelState over them): the layout `load_model(state=)` loads into (tools/generate.py, the lm-eval backend)."""
+    from megatron_moe.distributed import launch
+    from megatron_moe.distributed.parallel_state import RankLayout
+
+    info = launch.initialize("auto")
+    return info, ParallelState.build(RankLayout(world_size=info.world_size, tensor=tensor, expert=expert), info.rank)
+
+
 @torch.no_grad()
 def load_model(path: str, device: str = "cpu", overrides=(), state: ParallelState = None) -> CausalLM:
     """The model of checkpoint `path` (root -> its newest complete checkpoint), verified, in eval mode

@@ -78,21 +78,19 @@ def report(prompt: str, result, text: str, as_json: bool) -> str:
 
 def run(args) -> None:
     from megatron_moe.training.checkpoint_tokenizer import load_checkpoint_tokenizer
-    from megatron_moe.distributed import collectives, launch
-    from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
+    from megatron_moe.distributed import collectives
     from megatron_moe.generation import generate
-    from megatron_moe.inference import DROPLESS, load_model
+    from megatron_moe.inference import DROPLESS, launch_layout, load_model
     from megatron_moe.training.checkpoint import checkpoint_config, resolve_checkpoint
 
     prompts = read_prompts(args)
     tokenizer = load_checkpoint_tokenizer(args.checkpoint)
-    info = launch.initialize("auto")
     state = None
     try:
-        state = ParallelState.build(RankLayout(world_size=info.world_size, tensor=args.tensor, expert=args.expert),
-                                    info.rank)
+        info, state = launch_layout(args.tensor, args.expert)
         model = load_model(args.checkpoint, device=info.device or "cpu", overrides=DROPLESS, state=state)
-        trained = checkpoint_config(resolve_checkpoint(args.checkpoint)).moe.capacity_factor
+        # load_model verified the files: the config by names only (no second SHA-256 pass over the checkpoint)
+        trained = checkpoint_config(resolve_checkpoint(args.checkpoint, verify=False)).moe.capacity_factor
         if trained is not None and info.rank == 0:
             print(f"note: trained with moe.capacity_factor={trained}; generating dropless (moe.capacity_factor=null)",
                   file=sys.stderr)

@@ -93,7 +93,8 @@ def parse_cli(argv: Optional[List[str]] = None, description: str = "") -> argpar
                              "(default: this process's launcher environment, 1 without one)")
     parser.add_argument("--export-family", default=None, metavar="F",
                         help="with --check-config: also check that export-hf can write this model as Hugging Face "
-                             "family F (mixtral, qwen2_moe, qwen3_moe, olmoe, or auto: its default); 2 = it cannot")
+                             "family F (mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss, deepseek_v3, glm4_moe, or auto: "
+                             "its default); 2 = it cannot")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
     args = parser.parse_args(argv)
     if args.world_size is not None and (not args.check_config or args.world_size < 1):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -57,7 +57,6 @@ class Family:
     check: Callable[[Config], List[Tuple[bool, str]]]  # (ok, what) rules ours -> HF
     hf_config: Callable[[Config], dict]
     overrides: Callable[[dict], List[str]]  # config.json -> our dotted overrides
-    extra: dict = field(default_factory=dict)
     allows: Tuple[str, ...] = ()  # keys of check_shape's common rules this family has (its `check` rules them)
     shared_expert: str = "shared_expert"  # module of the shared expert under mlp. (DeepSeek, GLM: shared_experts)
     # hooks of families with more than the standard layer (hf_deepseek.py): attention (cfg, ours, src, dst) ->
@@ -226,18 +225,18 @@ def _attention_from_hf(cfg: Config, hf: Callable[[str], torch.Tensor], src: str,
     return out
 
 
-def _mlp_to_hf(fc1: torch.Tensor, fc2: torch.Tensor, dst: str, names=("gate_proj", "up_proj", "down_proj")):
-    """fc1 [2, f, h] (gate, up), fc2 [h, f] -> HF gate / up [f, h], down [h, f]."""
-    yield dst + names[0] + ".weight", fc1[0]
-    yield dst + names[1] + ".weight", fc1[1]
-    yield dst + names[2] + ".weight", fc2
+def _mlp_to_hf(fc1: torch.Tensor, fc2: torch.Tensor, dst: str):
+    """fc1 [2, f, h] (gate, up), fc2 [h, f] -> HF gate_proj / up_proj [f, h], down_proj [h, f]."""
+    yield dst + "gate_proj.weight", fc1[0]
+    yield dst + "up_proj.weight", fc1[1]
+    yield dst + "down_proj.weight", fc2
 
 
 def layer_to_hf(family: Family, cfg: Config, ours: Tensors, i: int) -> Iterator[Tuple[str, torch.Tensor]]:
     """HF tensors of our layer i (`ours`: at least that layer's full weights)."""
     src, dst = f"layers.{i}.", f"model.layers.{i}."
     yield dst + "input_layernorm.weight", ours[src + "attention_norm.weight"]
-    yield from (getattr(family, "attention_to_hf", None) or _attention_to_hf)(cfg, ours, src, dst)
+    yield from (family.attention_to_hf or _attention_to_hf)(cfg, ours, src, dst)
     yield dst + "post_attention_layernorm.weight", ours[src + "ffn_norm.weight"]
     if src + "ffn.router.weight" not in ours:  # a dense layer
         yield from _mlp_to_hf(ours[src + "ffn.fc1.weight"], ours[src + "ffn.fc2.weight"], dst + "mlp.")
@@ -289,7 +288,7 @@ def layer_from_hf(family: Family, cfg: Config, hf: Callable[[str], torch.Tensor]
     out[dst + "ffn.experts.w1"] = torch.stack([gates, ups], dim=2)  # [E, h, 2, f]
     out[dst + "ffn.experts.w2"] = torch.stack([hf(e.format(j) + down + ".weight").t() for j in range(num_experts)])
     if cfg.moe.shared_expert_ffn_hidden_size:
-        shared = src + f"mlp.{getattr(family, 'shared_expert', 'shared_expert')}."
+        shared = src + f"mlp.{family.shared_expert}."
         out[dst + "ffn.shared_expert.mlp.fc1.weight"] = torch.stack([hf(shared + "gate_proj.weight"),
                                                                      hf(shared + "up_proj.weight")])
         out[dst + "ffn.shared_expert.mlp.fc2.weight"] = hf(shared + "down_proj.weight")

@@ -35,7 +35,7 @@ import torch
 from megatron_moe.config.schema import Config
 from megatron_moe.convert.hf_common import (Family, MissingTensor, Tensors, base_hf_config, base_overrides,
                                             norm_topk, num_experts)
-from megatron_moe.convert.hf_rope import rope_parameters, rope_scaling_hf, rope_scaling_overrides
+from megatron_moe.convert.hf_rope import rope_parameters, rope_scaling_hf
 
 # FP4 E2M1 by 4-bit code (sign bit 3): transformers' FP4_VALUES
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -108,9 +108,7 @@ def _overrides(hf: dict) -> List[str]:
     rope = rope_parameters(hf)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported (gpt-oss: 1)")
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 150000.0)))  # GptOssConfig.default_theta
-    yarn = rope.get("rope_type", rope.get("type", "default")) != "default"
-    out = rope_scaling_overrides(rope) if yarn else []
+    out = []
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]  # GptOssConfig's default
     if len(types) != n or set(types) - {SLIDING, FULL}:
@@ -122,9 +120,10 @@ def _overrides(hf: dict) -> List[str]:
     else:
         out += ["model.sliding_window=null", "model.layer_types=null"]
     bias = str(bool(hf.get("attention_bias", True))).lower()
-    # the keys mapped here, not by base_overrides (which refuses scaled rope and sliding windows)
-    rest = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "sliding_window", "layer_types")}
-    return base_overrides(dict(rest, rope_theta=theta)) + out + [
+    # sliding windows mapped here, not by base_overrides (which refuses them); YaRN there (yarn=True)
+    rest = {k: v for k, v in hf.items() if k not in ("sliding_window", "layer_types")}
+    rest["rope_theta"] = hf.get("rope_theta", 150000.0)  # GptOssConfig.default_theta
+    return base_overrides(rest, yarn=True) + out + [
         f"model.ffn_hidden_size={hf['intermediate_size']}", f"moe.num_experts={num_experts(hf, 'num_local_experts')}",
         f"moe.expert_ffn_hidden_size={hf['intermediate_size']}", "moe.layer_freq=1", "moe.norm_topk_prob=true",
         "moe.score_function=softmax", "moe.activation=swiglu_oss", f"moe.swiglu_limit={float(hf.get('swiglu_limit', 7.0))}",

@@ -371,8 +371,8 @@ def import_hf(hf_dir: str, out_root: str, base_config: str = None, overrides: Li
     if cfg.model.tie_embeddings and reader.has("lm_head.weight") and \
             torch.equal(reader.get("lm_head.weight", use=False), weights["embedding.word.weight"]):
         reader.used.add("lm_head.weight")  # a stored copy of the tied embedding
-    for i in range(cfg.model.num_layers):
-        weights.update(H.layer_from_hf(fam, cfg, reader.get, i, moe_layer_flags(cfg)[i], reader.config))
+    for i, is_moe in enumerate(moe_layer_flags(cfg)[:cfg.model.num_layers]):
+        weights.update(H.layer_from_hf(fam, cfg, reader.get, i, is_moe, reader.config))
     weights.update(H.mtp_from_hf(fam, cfg, reader))  # multi-token prediction modules (hf_deepseek.py)
     unused = reader.unused()
     what = f"{len(unused)} tensor{'s' if len(unused) > 1 else ''} the model does not use"

@@ -90,9 +90,7 @@ class MegatronMoELM(TemplateLM):
                              f"{model.cfg.model.seq_length} (learned position embeddings)")
 
     def _load(self, checkpoint, device, tensor: int, expert: int):
-        from megatron_moe.distributed import launch
-        from megatron_moe.distributed.parallel_state import ParallelState, RankLayout
-        from megatron_moe.inference import DROPLESS, load_model
+        from megatron_moe.inference import DROPLESS, launch_layout, load_model
         from megatron_moe.training.checkpoint_tokenizer import checkpoint_tokenizer_spec
 
         if not checkpoint:
@@ -101,9 +99,7 @@ class MegatronMoELM(TemplateLM):
             raise ValueError(f"megatron_moe: checkpoint {checkpoint}: not found")
         spec = checkpoint_tokenizer_spec(str(checkpoint))
         tok = spec.build()
-        info = launch.initialize("auto")
-        self.state = ParallelState.build(RankLayout(world_size=info.world_size, tensor=tensor, expert=expert),
-                                         info.rank)
+        info, self.state = launch_layout(tensor, expert)
         where = "cpu" if str(device) == "cpu" else (info.device or "cpu")  # lm-eval's default cuda:0 -> ours
         model = load_model(str(checkpoint), device=where, overrides=DROPLESS, state=self.state)
         LOADED.append(self)

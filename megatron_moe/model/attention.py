@@ -184,18 +184,18 @@ class SelfAttention(torch.nn.Module):
         """q `[b, heads/tp, s, d]`, k, v `[b, G/tp, s, d]` when `fused` (`fused`), else `[b, heads/tp, s, d]`
         -> `[b, heads/tp, s, d]`. `allowed`: a KV cache's mask `[b, 1, s, T]` (then T keys), instead
         of the causal / window / padding one."""
-        masked = padding_mask is not None or self.window is not None or allowed is not None  # beyond plain causal / none
+        dropping = self._dropping()
+        explicit = not fused and (dropping or self.sinks is not None)  # the softmax below, not an SDPA call
         mask = allowed
-        if mask is None and (masked or self._dropping() or self.sinks is not None):  # not for core_attention's path
-            mask = self._allowed(q.shape[2], padding_mask, q.device)
+        if mask is None and (explicit or padding_mask is not None or self.window is not None):
+            mask = self._allowed(q.shape[2], padding_mask, q.device)  # else SDPA's is_causal / no mask
         if fused:
-            mask = mask if masked else None
-            if not self._dropping():
+            if not dropping:
                 return fused_attention(q, k, v, self.causal, mask)
             generator = self.rng.generator(self.attn_dropout.region, q.device)
             return fused_attention(q, k, v, self.causal, mask, self.attn_dropout.p, generator)
-        if not self._dropping() and self.sinks is None:
-            if not masked:
+        if not explicit:
+            if mask is None:
                 return core_attention(q, k, v, self.causal)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # fp32 scores of bf16 q, k (exact products, fp32 sums), as core_attention's: rounding them to bf16

@@ -27,21 +27,10 @@ from megatron_moe.model.norm import build_norm
 from megatron_moe.model.output import ModelOutput
 from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
 from megatron_moe.model.pipeline_stages import StagedModel
-from megatron_moe.tensor_parallel import copy_to_tp_region, padded_vocab_size, vocab_parallel_cross_entropy
+from megatron_moe.tensor_parallel import (ReplicatedLinear, copy_to_tp_region, padded_vocab_size,
+                                          vocab_parallel_cross_entropy)
 
 NUM_TOKEN_TYPES = 2  # segment A, segment B
-
-
-class Dense(torch.nn.Module):
-    """y = x W^T + b with W `[out, in]` replicated across TP (small heads)."""
-
-    def __init__(self, in_features: int, out_features: int, state: ParallelState, std: float):
-        super().__init__()
-        self.weight = make_param(ParamMeta("dense", (out_features, in_features), std=std, role="weight"), state)
-        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros", role="bias"), state)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class BertMoEModel(StagedModel):
@@ -52,13 +41,13 @@ class BertMoEModel(StagedModel):
         self.has_binary_loss = m.binary_head != "none"
         if self.stage.has_head:
             # MLM head: transform, then the tied word embedding and a vocab-parallel bias
-            self.mlm_dense = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
+            self.mlm_dense = ReplicatedLinear(m.hidden_size, m.hidden_size, state, std=m.init_std)
             self.mlm_norm = build_norm(m, state)
             self.mlm_bias = make_param(ParamMeta("dense", (padded_vocab_size(m.vocab_size, state.tp_size),),
                                                  [(0, "tp")], init="zeros", role="bias"), state)
             if m.binary_head != "none":
-                self.pooler = Dense(m.hidden_size, m.hidden_size, state, m.init_std)
-                self.binary_head = Dense(m.hidden_size, 2, state, m.init_std)
+                self.pooler = ReplicatedLinear(m.hidden_size, m.hidden_size, state, std=m.init_std)
+                self.binary_head = ReplicatedLinear(m.hidden_size, 2, state, std=m.init_std)
         self.finish_init()
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor, padding_mask: torch.Tensor,

@@ -47,7 +47,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config, ModelConfig
@@ -56,22 +55,10 @@ from megatron_moe.model.attention import ATTENTIONS, SelfAttention, rotary_table
 from megatron_moe.model.norm import RMSNorm
 from megatron_moe.model.recompute import recomputed
 from megatron_moe.model.rotary import RotaryTables, apply_rotary, check_rotary, yarn_softmax_factor
-from megatron_moe.tensor_parallel import (ColumnParallelLinear, Dropout, DropoutRNG, RowParallelLinear,
-                                          copy_to_tp_region)
-from megatron_moe.tensor_parallel.param_meta import ParamMeta, make_param
+from megatron_moe.tensor_parallel import (ColumnParallelLinear, Dropout, DropoutRNG, ReplicatedLinear,
+                                          RowParallelLinear, copy_to_tp_region)
 
 MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # required with mla
-
-
-class ReplicatedLinear(torch.nn.Module):
-    """y = x W^T, W [out, in] whole on every TP rank (its gradient: module docstring)."""
-
-    def __init__(self, in_features: int, out_features: int, state: ParallelState, *, std: float):
-        super().__init__()
-        self.weight = make_param(ParamMeta("dense", (out_features, in_features), std=std, role="weight"), state)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
 
 @ATTENTIONS.register("mla")
@@ -97,12 +84,12 @@ class MultiLatentAttention(SelfAttention):
         qk_rows = heads * (self.nope + self.rope)
         self.q_lora = cfg.q_lora_rank is not None
         if self.q_lora:
-            self.q_down = ReplicatedLinear(h, cfg.q_lora_rank, state, std=std)
+            self.q_down = ReplicatedLinear(h, cfg.q_lora_rank, state, bias=False, std=std)
             self.q_down_norm = RMSNorm(cfg.q_lora_rank, state, eps=cfg.norm_eps)
             self.q_up = ColumnParallelLinear(cfg.q_lora_rank, qk_rows, state, bias=False, std=std)
         else:
             self.q = ColumnParallelLinear(h, qk_rows, state, bias=False, std=std)
-        self.kv_down = ReplicatedLinear(h, cfg.kv_lora_rank + self.rope, state, std=std)
+        self.kv_down = ReplicatedLinear(h, cfg.kv_lora_rank + self.rope, state, bias=False, std=std)
         self.kv_down_norm = RMSNorm(cfg.kv_lora_rank, state, eps=cfg.norm_eps)
         self.kv_up = ColumnParallelLinear(cfg.kv_lora_rank, heads * (self.nope + self.v_dim), state, bias=False, std=std)
         proj_bias = cfg.bias if cfg.attention_output_bias is None else cfg.attention_output_bias

@@ -1,4 +1,5 @@
-"""Tensor-parallel layers (Megatron-LM §3): column- and row-parallel linear, vocab-parallel embedding.
+"""Tensor-parallel layers (Megatron-LM §3): column- and row-parallel linear, vocab-parallel embedding,
+and a replicated linear for small layers every TP rank holds whole.
 
 Every parameter is created by `make_param` with a `ParamMeta` that states its global shape and
 sharding, so `init_model_from_seed_` gives the same full weights on any tensor degree. Weights use
@@ -55,6 +56,20 @@ class ColumnParallelLinear(torch.nn.Module):
             weight = self.weight.view(-1, self.weight.shape[-1])
             y = F.linear(x, weight, None if self.bias is None else self.bias.view(-1))  # [..., out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """y = x W^T (+ b) with W [out, in] whole on every TP rank (no shards: the grad sync averages it
+    over tp, the grad norm counts it once). BERT's MLM head and pooler, MLA's down projections."""
+
+    def __init__(self, in_features: int, out_features: int, state: ParallelState, *, bias: bool = True,
+                 std: float = 0.02):
+        super().__init__()
+        self.weight = make_param(ParamMeta("dense", (out_features, in_features), std=std, role="weight"), state)
+        self.bias = make_param(ParamMeta("dense", (out_features,), init="zeros", role="bias"), state) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(torch.nn.Module):

@@ -68,6 +68,17 @@ def _rows(elements: int, parts: int) -> int:
     return max(1, round(elements / (parts * WIDTH)))
 
 
+def _warm_up_once(group) -> Callable[[], None]:
+    """`warm_up_p2p(group)` on the first call only (a p2p builder's, not once per size)."""
+    done = []
+
+    def warm():
+        if not done:
+            warm_up_p2p(group)
+            done.append(True)
+    return warm
+
+
 def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
     """op -> (group, requested size -> (x actually measured, callable that runs the op once))."""
     from megatron_moe.moe.grouped_gemm import grouped_mm
@@ -75,6 +86,7 @@ def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
     from megatron_moe.techniques.parm.parm import EpEspExchange
 
     tp, ep, ep_esp = state.tp, state.ep, state.ep_esp
+    warm_up_ep = _warm_up_once(ep)
 
     def allgather(elements):
         piece = torch.randn(_rows(elements, tp.size), WIDTH, device=device)
@@ -101,7 +113,7 @@ def _builders(state: ParallelState, device: torch.device, shape: ExpertShape):
         recv = torch.empty_like(send)
         peer = ep.rank ^ 1
         pairs = ([(peer, send)], [(peer, recv)]) if peer < ep.size else ([], [])
-        warm_up_p2p(ep)  # the pairs leave the last rank of an odd group out
+        warm_up_ep()  # the pairs leave the last rank of an odd group out
         return send.numel(), lambda: C.p2p_exchange(*pairs, ep, kind="p2p").wait()
 
     def broadcast(elements):
@@ -150,6 +162,7 @@ def _link_builders(state: ParallelState, device: torch.device):
     tensor's elements, p2p x = elements world ranks 2i and 2i+1 send each other (warmed up as
     `_builders`' p2p)."""
     world, n = state.world, state.world_size
+    warm_up_world = _warm_up_once(world)
 
     def tensor(elements, parts=1):
         return torch.randn(_rows(elements, parts), WIDTH, device=device)
@@ -168,7 +181,7 @@ def _link_builders(state: ParallelState, device: torch.device):
         send = tensor(elements)
         recv, peer = torch.empty_like(send), world.rank ^ 1
         pairs = ([(peer, send)], [(peer, recv)]) if peer < n else ([], [])
-        warm_up_p2p(world)  # as `_builders`' p2p
+        warm_up_world()  # as `_builders`' p2p
         return send.numel(), lambda: C.p2p_exchange(*pairs, world, kind="p2p").wait()
 
     def whole(op):

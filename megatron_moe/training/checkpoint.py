@@ -18,7 +18,7 @@ A checkpoint is a directory `<checkpoint.dir>/iter_<iteration:07d>/` (`checkpoin
 * `config.yaml`: the resolved config;
 * `tokenizer/`: a copy of the training tokenizer's files + `tokenizer_spec.json` (its type; the
   embedded corpus's trained BPE too), so the directory is self-contained
-  (`data.tokenizers.load_checkpoint_tokenizer`); absent when the datasets used none;
+  (`training/checkpoint_tokenizer.py` `load_checkpoint_tokenizer`); absent when the datasets used none;
 * `manifest.json`: sizes + SHA-256 of all the above, written last.
 
 Replicated tensors are written once (DCP de-duplicates identical chunks). Padded vocabulary rows

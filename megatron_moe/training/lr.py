@@ -4,7 +4,7 @@ until `training.lr_decay_iters` (Megatron-LM's `--lr-decay-iters`; null = `train
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_moe.config.errors import ConfigError
 from megatron_moe.config.schema import Config, OptimizerConfig
@@ -32,9 +32,15 @@ def decay_iters(cfg: Config) -> int:
     return tr.lr_decay_iters if tr.lr_decay_iters is not None else tr.train_iters
 
 
+def lr_schedule(cfg: Config) -> Callable[[int], float]:
+    """`cfg`'s schedule, looked up once (the trainer's, at start-up): iteration (from 1) -> LR."""
+    schedule, opt, total = LR_SCHEDULES.get(cfg.optimizer.lr_schedule), cfg.optimizer, decay_iters(cfg)
+    return lambda iteration: schedule(opt, iteration, total)
+
+
 def learning_rate(cfg: Config, iteration: int) -> float:
     """The LR of `iteration` (counted from 1) under `cfg`'s schedule."""
-    return LR_SCHEDULES.get(cfg.optimizer.lr_schedule)(cfg.optimizer, iteration, decay_iters(cfg))
+    return lr_schedule(cfg)(iteration)
 
 
 @LR_SCHEDULES.register("cosine")

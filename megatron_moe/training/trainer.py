@@ -45,7 +45,7 @@ from megatron_moe.distributed.parallel_state import ParallelState
 from megatron_moe.training.completion import clear_complete_marker, read_complete_marker, write_complete_marker
 from megatron_moe.training.distributed_optimizer import PARAM_KIND, DistributedOptimizer, optimizer_state_bytes
 from megatron_moe.training.grads import GradSync, late_expert_grads
-from megatron_moe.training.lr import learning_rate
+from megatron_moe.training.lr import lr_schedule
 from megatron_moe.moe.expert_bias import update_expert_biases
 from megatron_moe.moe.stats import IterationMoEStats
 from megatron_moe.moe.vexpert_moves import MOVE_KIND
@@ -92,6 +92,7 @@ class Trainer:
         overlap_experts = not late_expert_grads(cfg)  # overlap_grad_reduce: expert buckets from hooks too
         self.optimizer = build_optimizer(self.model, cfg.optimizer, state, compiled=tr.compile,
                                          overlap_experts=overlap_experts)
+        self.learning_rate = lr_schedule(cfg)  # iteration -> LR: warmup, decay until training.lr_decay_iters
         if isinstance(self.optimizer, DistributedOptimizer):
             self.grads = self.optimizer  # reduce-scatters into its shards, norm and clip over them
         else:
@@ -230,7 +231,7 @@ class Trainer:
         """One optimizer step on global batch `iteration - 1`; returns the iteration's metrics."""
         collectives.COMM_STATS.reset()
         step = timing.Stopwatch(self.device)  # wall time: synchronizes here (idle after the last step) and when read
-        lr = learning_rate(self.cfg, iteration)  # warmup, decay until training.lr_decay_iters
+        lr = self.learning_rate(iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)

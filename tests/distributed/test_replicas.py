@@ -20,14 +20,14 @@ from dataclasses import replace
 
 import pytest
 
+from megatron_moe.config.validate import expert_proj_bias
 from megatron_moe.distributed.parallel_state import RankLayout
 from megatron_moe.moe.balancers.base import Balancer
 from megatron_moe.moe.placement import Placement
+from megatron_moe.moe.replicas import AGG_KIND, TRANS_KIND
 from megatron_moe.perf.alpha_beta import AlphaBeta
 from megatron_moe.perf.hardware import load_profile, save_profile
-from megatron_moe.moe.replicas import AGG_KIND, TRANS_KIND
 from tests.distributed.harness import BACKENDS, per_world_spawner
-from megatron_moe.config.validate import expert_proj_bias
 from tests.distributed.moe_cases import E, FFN, H, case_config, check_against_reference, run_on_layouts
 from tests.distributed.test_moe_parm import TESTBED_B
 

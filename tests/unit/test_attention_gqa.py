@@ -136,3 +136,12 @@ def test_cuda_attention_is_one_sdpa_call_on_unrepeated_kv(dtype, monkeypatch):
     sharded.set_state(start)
     again = _run(gpu, x.to("cuda", dtype))
     assert torch.equal(first[0], again[0]) and not torch.equal(first[0], got)
+
+
+def test_fused_dropout_without_padding_builds_no_mask(no_repeat, monkeypatch):
+    """The fused causal call with dropout passes is_causal: no [s, s] mask is built per layer for it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a mask built for the fused causal call")
+
+    monkeypatch.setattr(SelfAttention, "_allowed", refuse)
+    _run(_attention(0.5).train(), torch.randn(B, S, 32))

@@ -43,3 +43,20 @@ def test_fit_recovers_known_costs(tmp_path):
     assert (single.mp_allgather.alpha, single.mp_allgather.beta) == (0.0, 0.0) and single.p2p is None
     with pytest.raises(ValueError, match="unknown ops"):
         fit_profile("bad", {"nccl_magic": ([1, 2], [1.0, 2.0])}, {})
+
+
+def test_p2p_warm_up_once_per_group(monkeypatch):
+    """The p2p builders warm their communicator up once (`warm_up_p2p`), not once per size."""
+    import torch
+    from megatron_moe.distributed.parallel_state import ParallelState
+    from megatron_moe.training import calibrate
+
+    warmed = []
+    monkeypatch.setattr(calibrate, "warm_up_p2p", lambda group, side=False: warmed.append(group.name))
+    state, cpu = ParallelState.single_process(), torch.device("cpu")
+    p2p = calibrate._builders(state, cpu, calibrate.ExpertShape())["p2p"][1]
+    links = calibrate._link_builders(state, cpu)["p2p"]
+    for size in geometric_sizes(1 << 10, 1 << 14, 3):
+        p2p(size)
+        links(size)
+    assert warmed == ["ep", "world"]

@@ -56,3 +56,13 @@ def test_an_exportable_config_names_its_family(capsys):
     with pytest.raises(SystemExit) as e:
         main(GPTMoEModel, ["--config", "configs/qwen3_moe_tiny.yaml", "--export-family", "auto"])
     assert e.value.code == 2 and "--export-family F goes with --check-config" in capsys.readouterr().err
+
+
+def test_help_names_every_export_family(capsys):
+    """`--help` lists every family export-hf writes (a help text naming fewer is stale)."""
+    from megatron_moe.config.load import parse_cli
+    from megatron_moe.convert.hf_families import FAMILIES
+    with pytest.raises(SystemExit):
+        parse_cli(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in FAMILIES), text

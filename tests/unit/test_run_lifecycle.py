@@ -16,7 +16,7 @@ from megatron_moe.model.gpt import GPTMoEModel
 from megatron_moe.training import entry
 from megatron_moe.training.checkpoint import checkpoint_dir
 from megatron_moe.training.failures import INTERRUPT_EXIT, STOP_SIGNALS, CheckpointError, StopRequest
-from megatron_moe.training.lr import learning_rate, schedule_change
+from megatron_moe.training.lr import learning_rate, lr_schedule, schedule_change
 from megatron_moe.training.resume import check_resume
 from megatron_moe.training.trainer import Trainer
 from tests.checkpoint_helpers import SyntheticTokens
@@ -200,6 +200,8 @@ def test_lr_decay_iters_values():
     assert learning_rate(decay40, 50) == learning_rate(decay40, 60) == pytest.approx(1e-4)  # min_lr after it
     default = _lr_config()  # null: decay until train_iters
     assert learning_rate(default, 35) == pytest.approx(5.5e-4) and learning_rate(default, 60) == pytest.approx(1e-4)
+    schedule = lr_schedule(decay40)  # the trainer's: looked up once at start-up, the same values
+    assert [schedule(i) for i in (1, 5, 25, 40, 60)] == [learning_rate(decay40, i) for i in (1, 5, 25, 40, 60)]
     with pytest.raises(ConfigError, match="training.lr_decay_iters=0 must be >= 1"):
         validate_config(_lr_config("training.lr_decay_iters=0"), 1)
     for decay in (10, 5):  # at or before the end of warmup: no decay left (Megatron-LM asserts warmup < decay)
